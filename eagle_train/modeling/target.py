@@ -1,0 +1,140 @@
+"""The frozen target model behind one adapter.
+
+`load_target` loads any Hugging Face causal LM (local directory or hub id) frozen and in eval mode;
+`Target.features` returns the logits and the last hidden state, the LM head's input (EAGLE's feature
+f_j). This module and `draft.py` are the only importers of `transformers` in the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from eagle_train.config.base import resolve_path
+from eagle_train.config.target import TargetConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name to a torch dtype."""
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+def target_source(cfg: TargetConfig) -> str:
+    """The path or hub id the target is loaded from (a relative local path is resolved)."""
+    local = resolve_path(cfg.path)
+    return str(local) if local is not None and Path(local).exists() else cfg.path
+
+
+@dataclass
+class Target:
+    """A frozen causal LM with its tokenizer. `model` is the stock Hugging Face model."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    cfg: TargetConfig
+    source: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence the target (and so the head) is used on."""
+        limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or 2**31
+        return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The base transformer (embeddings + layers + final norm), without the LM head."""
+        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids of the tokenizer and generation config plus the config's extra stop ids."""
+        ids: list[int] = list(self.cfg.stop_token_ids)
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            for i in source if isinstance(source, list) else [source]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target on a (right- or left-padded) batch.
+
+        input_ids, attention_mask: [batch, seq]. Returns (logits [batch, seq, vocab],
+        hidden [batch, seq, hidden]) where hidden is the last hidden state after the final norm,
+        i.e. logits == lm_head(hidden).
+        """
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.lm_head(hidden), hidden
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Only the last hidden state [batch, seq, hidden] (cheaper: no vocabulary projection)."""
+        return self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer (no model weights loaded)."""
+    return AutoTokenizer.from_pretrained(
+        target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+    )
+
+
+def load_target_config(cfg: TargetConfig):
+    """The target's Hugging Face config (no weights loaded)."""
+    return AutoConfig.from_pretrained(target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
+    """Load the target frozen, in eval mode, on `device` with the configured dtype."""
+    source = target_source(cfg)
+    dtype = "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.revision,
+        attn_implementation=cfg.attn_implementation,
+    )
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    tokenizer = load_tokenizer(cfg)
+    return Target(model=model, tokenizer=tokenizer, cfg=cfg, source=source)

@@ -1,0 +1,47 @@
+"""Shared fixtures: the real embedded target and the shared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = (REPO_ROOT / ".." / "shared").resolve()
+STORIES260K = SHARED / "models" / "stories260K"
+DATA = SHARED / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def target_cfg():
+    """The TargetConfig of the embedded default (stories260K), composed from conf/target."""
+    from omegaconf import OmegaConf
+
+    from eagle_train.config import TargetConfig, to_schema
+
+    return to_schema(OmegaConf.load(REPO_ROOT / "conf" / "target" / "stories260k.yaml"), TargetConfig)
+
+
+@pytest.fixture(scope="session")
+def target(target_cfg):
+    """The real stories260K target, frozen, on CPU (loaded once per session)."""
+    from eagle_train.modeling.target import load_target
+
+    torch.manual_seed(0)
+    return load_target(target_cfg)
