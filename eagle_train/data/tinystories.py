@@ -1,0 +1,135 @@
+"""TinyStories paragraphs -> ShareGPT conversations for the embedded stories260K target.
+
+Writes `data/generated/tinystories_sharegpt.jsonl` (by default): JSON Lines, one conversation per
+paragraph of `../shared/data/tinystories/tinystories_val_head.txt` (split on blank lines, whitespace
+runs collapsed to one space):
+    {"id": "tinystories_<paragraph index>",
+     "conversations": [{"from": "human", "value": <first sentence>}, {"from": "gpt", "value": <the rest>}]}
+Rendered with the `plain` template (BOS, then the turns joined by one space) the text is the paragraph
+itself, so the head trains on ordinary story text with the loss on everything after the first sentence.
+Paragraphs that are evaluation prompts (`tinystories_prompts.jsonl`: same paragraph or same first
+sentence) are left out by default, so the demo evaluates on held-out stories; so are one-sentence paragraphs.
+
+    python -m eagle_train.data.tinystories out=data/generated/tinystories_sharegpt.jsonl [limit=N]
+        [src=FILE] [held_out=FILE|none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from eagle_train.config.base import REPO_ROOT
+
+TINYSTORIES = (REPO_ROOT / ".." / "shared" / "data" / "tinystories").resolve()
+DEFAULT_SRC = TINYSTORIES / "tinystories_val_head.txt"
+DEFAULT_HELD_OUT = TINYSTORIES / "tinystories_prompts.jsonl"
+DEFAULT_OUT = REPO_ROOT / "data" / "generated" / "tinystories_sharegpt.jsonl"
+# the first sentence: up to . ! or ? (and a closing quote), then whitespace and a new sentence's start
+# (capital letter or opening quote: `"Look!" said Sue.` is one sentence)
+FIRST_SENTENCE = re.compile(r"^(.+?[.!?][\"'\u201d\u2019]?)\s+([A-Z\"'\u201c\u2018(].*)$", re.DOTALL)
+
+
+def split_first_sentence(paragraph: str) -> tuple[str, str] | None:
+    """(first sentence, rest) of a whitespace-normalised paragraph, or None if it has one sentence."""
+    match = FIRST_SENTENCE.match(paragraph)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def load_held_out(path: str | Path | None) -> tuple[set[str], set[str]]:
+    """(paragraphs, first sentences) of the evaluation prompts file, whitespace-normalised."""
+    if path is None:
+        return set(), set()
+    paragraphs, prompts = set(), set()
+    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON on line {line_no}: {e.msg}") from None
+        paragraphs.add(" ".join(str(record.get("paragraph", "")).split()))
+        prompts.add(" ".join(str(record.get("prompt", "")).split()))
+    return paragraphs - {""}, prompts - {""}
+
+
+def build_tinystories_conversations(
+    src: str | Path = DEFAULT_SRC,
+    out_path: str | Path = DEFAULT_OUT,
+    limit: int | None = None,
+    held_out_prompts: str | Path | None = DEFAULT_HELD_OUT,
+) -> dict[str, int]:
+    """Write the conversations JSONL atomically (temp file, then rename); return counts
+    (`written`, `held_out`, `single_sentence`, `empty`)."""
+    held_paragraphs, held_prompts = load_held_out(held_out_prompts)
+    counts = {"written": 0, "held_out": 0, "single_sentence": 0, "empty": 0}
+    lines = []
+    for index, raw in enumerate(Path(src).read_text(encoding="utf-8").split("\n\n")):
+        if limit is not None and counts["written"] >= limit:
+            break
+        paragraph = " ".join(raw.split())
+        split = split_first_sentence(paragraph) if paragraph else None
+        if not paragraph:
+            counts["empty"] += 1
+        elif split is None:
+            counts["single_sentence"] += 1
+        elif paragraph in held_paragraphs or split[0] in held_prompts:
+            counts["held_out"] += 1
+        else:
+            turns = [{"from": "human", "value": split[0]}, {"from": "gpt", "value": split[1]}]
+            lines.append(
+                json.dumps({"id": f"tinystories_{index}", "conversations": turns}, ensure_ascii=False)
+            )
+            counts["written"] += 1
+    write_text_atomic(Path(out_path), "\n".join(lines) + "\n")
+    return counts
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file next to `path`, then rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the data file is an ordinary readable file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Accepts `key=value` (Hydra-like) as well as `--key value`."""
+    argv = [f"--{a}" if "=" in a and not a.startswith("-") else a for a in argv]
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle_train.data.tinystories", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="conversations JSONL to write")
+    parser.add_argument(
+        "--src", default=str(DEFAULT_SRC), help="TinyStories text, paragraphs split by blank lines"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="write at most this many conversations")
+    parser.add_argument(
+        "--held_out", default=str(DEFAULT_HELD_OUT), help="evaluation prompts to leave out, or 'none'"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    held_out = None if args.held_out.lower() == "none" else args.held_out
+    counts = build_tinystories_conversations(args.src, args.out, args.limit, held_out)
+    print(
+        f"wrote {counts['written']} conversations to {args.out} ({', '.join(f'{k} {v}' for k, v in counts.items())})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The target adapter returns the LM head's input: lm_head(hidden) == logits, on real and random models."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from eagle_train.config import TargetConfig
+from eagle_train.modeling.target import load_target
+from tests.conftest import STORIES260K
+
+
+def test_stories260k_hidden_is_lm_head_input(target):
+    ids = torch.tensor([[1, 403, 407, 261, 378, 432, 383, 286, 261]])
+    logits, hidden = target.features(ids)
+    assert hidden.shape == (1, 9, 64) and logits.shape == (1, 9, 512)
+    assert torch.equal(target.lm_head(hidden), logits)
+    # and it is the stock model's own output, with the stock config's output_hidden_states path
+    out = target.model(ids, output_hidden_states=True)
+    assert torch.equal(out.hidden_states[-1], hidden)
+    assert torch.allclose(out.logits, logits)
+
+
+def test_target_is_frozen_and_in_eval_mode(target):
+    assert not target.model.training
+    assert not any(p.requires_grad for p in target.model.parameters())
+    assert target.hidden_size == 64 and target.vocab_size == 512 and target.max_len == 512
+    assert target.stop_token_ids[0] == 1 and 2 in target.stop_token_ids
+
+
+def test_padding_does_not_change_real_positions(target):
+    ids = torch.tensor([[1, 403, 407, 261, 378], [1, 403, 407, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    _, hidden = target.features(ids, mask)
+    _, alone = target.features(ids[1:, :3])
+    torch.testing.assert_close(hidden[1, :3], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config_cls, model_cls",
+    [(Qwen2Config, Qwen2ForCausalLM), (MistralConfig, MistralForCausalLM)],
+    ids=["qwen2", "mistral"],
+)
+def test_random_models_hidden_is_lm_head_input(tmp_path, config_cls, model_cls):
+    torch.manual_seed(0)
+    cfg = config_cls(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    model_cls(cfg).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(STORIES260K).save_pretrained(tmp_path)
+    target = load_target(TargetConfig(name="tiny", path=str(tmp_path), chat_template="plain"))
+    ids = torch.randint(3, 512, (2, 11))
+    logits, hidden = target.features(ids)
+    assert torch.equal(target.lm_head(hidden), logits)
+    torch.testing.assert_close(target.model(ids).logits, logits)
+    assert target.max_len == 128
+    shutil.rmtree(tmp_path)
