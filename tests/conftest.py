@@ -13,6 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The embedded target is tiny (d=64): one thread is faster than two, and far faster on a busy machine
+# where a second thread waits for a core. Subprocesses started by tests inherit OMP_NUM_THREADS.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = (REPO_ROOT / ".." / "shared").resolve()
 STORIES260K = SHARED / "models" / "stories260K"

@@ -1,0 +1,131 @@
+"""`eagle_train.extract.run` in this process on the real stories260K: features, manifest, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from eagle_train.config import to_schema
+from eagle_train.config.base import CONF_DIR
+from eagle_train.config.data import DataConfig
+from eagle_train.config.extract import ExtractConfig
+from eagle_train.data.batching import bucket_batches, padding_fraction
+from eagle_train.data.render import ChatRenderer, tokenize_conversations
+from eagle_train.data.sharegpt import DataError, load_conversations
+from eagle_train.extract import run
+from eagle_train.store import MANIFEST_NAME, FeatureStore, StoreMismatchError, target_config_hash
+
+ALPACA = "../shared/data/sharegpt/alpaca_cleaned_1000_as_sharegpt.json"
+FASTCHAT = "../shared/data/sharegpt/fastchat_dummy_conversation.json"  # short multi-turn conversations
+
+
+def extract_cfg(target_cfg, out_dir, path=ALPACA, limit=12, max_len=128, **kw) -> ExtractConfig:
+    """Short conversations (max_len 128) keep the target's forwards cheap."""
+    data = DataConfig(name="alpaca", path=str(path), limit=limit, max_len=max_len)
+    return ExtractConfig(target=target_cfg, data=data, out_dir=str(out_dir), progress=False, **kw)
+
+
+def test_extract_config_composes_with_overrides(tmp_path):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("extract", overrides=["data=alpaca", "data.limit=5", f"out_dir={tmp_path}", "dtype=float16"])
+    schema = to_schema(cfg, ExtractConfig)
+    assert schema.data.name == "alpaca" and schema.data.limit == 5 and schema.dtype == "float16" and schema.out_dir == str(tmp_path)
+    assert schema.target.chat_template == "plain"
+    with pytest.raises(ValueError, match="dtype"):
+        ExtractConfig(dtype="int8")
+
+
+def test_stored_features_are_the_targets(target_cfg, target, tmp_path):
+    """Batched, right-padded extraction stores exactly what the target computes on each conversation
+    alone: lm_head(hidden) == logits, ids and loss masks as tokenized, nothing of the padding."""
+    # a small token budget forces several batches of mixed lengths (so real padding) and 3 shards
+    cfg = extract_cfg(
+        target_cfg, tmp_path, path=FASTCHAT, limit=8, max_len=96, dtype="float32", max_tokens=256, shard_samples=3
+    )
+    run(cfg)
+    store = FeatureStore(tmp_path)
+    messages, _ = load_conversations(cfg.data)
+    expected, report = tokenize_conversations(messages, ChatRenderer(target.tokenizer, target_cfg, 96))
+    assert store.ids == expected["id"] and len(store.manifest["shards"]) == -(-len(store) // 3) > 1
+    assert store.lengths == expected["num_tokens"]
+    for shard in store.manifest["shards"]:  # the batches really were padded
+        lengths = store.lengths[shard["start"] : shard["stop"]]
+        assert padding_fraction(lengths, bucket_batches(lengths, max_tokens=256, max_batch_size=64)) > 0
+    for i in range(len(store)):
+        sample = store[i]
+        assert sample["input_ids"].tolist() == expected[i]["input_ids"]
+        assert sample["loss_mask"].tolist() == [bool(m) for m in expected[i]["loss_mask"]]
+        logits, hidden = target.features(sample["input_ids"][None])  # [1, L, vocab], [1, L, hidden]
+        assert sample["hidden"].shape == (store.lengths[i], target.hidden_size)
+        torch.testing.assert_close(sample["hidden"], hidden[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(target.lm_head(sample["hidden"]), logits[0], atol=1e-4, rtol=1e-4)
+    manifest = store.manifest
+    assert manifest["target"]["hidden_size"] == 64 and manifest["target"]["vocab_size"] == 512
+    assert manifest["target"]["config_hash"] == target_config_hash(target.model.config.to_dict())
+    assert manifest["template"] == "plain" and manifest["max_len"] == 96 and manifest["dtype"] == "float32"
+    counts = manifest["counts"]
+    assert counts["conversations"] == len(store) and counts["tokens"] == sum(store.lengths)
+    assert counts["skipped"] == report.counts and counts["seen"] == 8
+    assert counts["assistant_tokens"] == sum(expected["num_assistant_tokens"])
+    assert counts["bytes_per_token"] > 64 * 4  # float32 hidden states dominate
+
+
+def test_bfloat16_store_keeps_the_argmax(target_cfg, target, tmp_path):
+    run(extract_cfg(target_cfg, tmp_path, limit=3))
+    store = FeatureStore(tmp_path)
+    sample = store[0]
+    assert sample["hidden"].dtype == torch.bfloat16
+    assert store.manifest["counts"]["bytes_per_token"] < 64 * 2 + 20  # 128 B of hidden + ids, mask, header
+    logits, _ = target.features(sample["input_ids"][None])
+    agree = (target.lm_head(sample["hidden"].float()).argmax(-1) == logits[0].argmax(-1)).float().mean()
+    assert agree > 0.95
+
+
+def test_rerun_with_another_config_is_refused_unless_overwrite(target_cfg, tmp_path):
+    run(extract_cfg(target_cfg, tmp_path, limit=3, dtype="float32"))
+    before = (tmp_path / MANIFEST_NAME).read_text()
+    with pytest.raises(StoreMismatchError, match=r"dtype: expected 'bfloat16', found 'float32'.*overwrite=true"):
+        run(extract_cfg(target_cfg, tmp_path, limit=3))
+    with pytest.raises(StoreMismatchError, match=r"data\.limit: expected 4, found 3"):
+        run(extract_cfg(target_cfg, tmp_path, limit=4, dtype="float32"))
+    assert (tmp_path / MANIFEST_NAME).read_text() == before  # refused: the store is untouched
+    run(extract_cfg(target_cfg, tmp_path, limit=3, overwrite=True))
+    assert FeatureStore(tmp_path).manifest["dtype"] == "bfloat16"
+    # batch sizes are not part of the contents: a rerun with other ones keeps the store
+    run(extract_cfg(target_cfg, tmp_path, limit=3, max_batch_size=1))
+    assert len(FeatureStore(tmp_path)) == 3
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "data file not found"),
+        ("directory", "is a directory"),
+        ("empty", "file is empty"),
+        ("malformed", "bad.json"),
+        ("schema", "wrong schema"),
+        ("prompts_only", "eagle_train.regenerate"),
+    ],
+)
+def test_bad_input_fails_before_writing(target_cfg, tmp_path, case, message):
+    good = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    paths = {
+        "missing": tmp_path / "nope.json",
+        "directory": tmp_path,
+        "empty": write(tmp_path / "empty.json", ""),
+        "malformed": write(tmp_path / "bad.json", json.dumps([good])[:-1] + ', {"id": "b", "conv'),
+        "schema": write(tmp_path / "schema.jsonl", json.dumps(good) + "\n" + json.dumps({"id": "x", "turns": 3})),
+        "prompts_only": write(tmp_path / "p.json", json.dumps([{"id": "p", "conversations": good["conversations"][:1]}])),
+    }
+    out_dir = tmp_path / "store"
+    with pytest.raises(DataError, match=message):
+        run(extract_cfg(target_cfg, out_dir, path=paths[case]))
+    assert not out_dir.exists()

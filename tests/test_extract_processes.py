@@ -1,0 +1,106 @@
+"""`python -m eagle_train.extract` as real processes: 2 processes == 1, a killed run resumes, bad input exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_train.config.data import DataConfig
+from eagle_train.config.extract import ExtractConfig
+from eagle_train.extract import STOP_AFTER_ENV, run
+from eagle_train.store import MANIFEST_NAME, FeatureStore, shard_name
+
+pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FASTCHAT = "../shared/data/sharegpt/fastchat_dummy_conversation.json"
+# 10 short FastChat conversations in shards of 3 -> 4 shards
+ARGS = ["data=fastchat_dummy", "data.limit=10", "data.max_len=96", "shard_samples=3", "progress=false"]
+
+
+def extract_cli(out_dir: Path, *extra: str, env: dict[str, str] | None = None, launcher: list[str] | None = None):
+    cmd = [*(launcher or [sys.executable]), "-m", "eagle_train.extract", *ARGS, f"out_dir={out_dir}", *extra]
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference_store(tmp_path_factory, target_cfg) -> FeatureStore:
+    """The same extraction, uninterrupted, in one process."""
+    out_dir = tmp_path_factory.mktemp("reference")
+    data = DataConfig(name="fastchat_dummy", path=FASTCHAT, limit=10, max_len=96)
+    run(ExtractConfig(target=target_cfg, data=data, out_dir=str(out_dir), shard_samples=3, progress=False))
+    return FeatureStore(out_dir)
+
+
+def assert_same_store(store: FeatureStore, reference: FeatureStore) -> None:
+    """Same samples in the same order with the same contents: nothing missing, nothing doubled."""
+    assert store.ids == reference.ids and len(set(store.ids)) == len(store.ids) == 10
+    assert [(s["start"], s["stop"]) for s in store.manifest["shards"]] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert store.manifest["counts"] == reference.manifest["counts"]
+    assert store.manifest["config_hash"] == reference.manifest["config_hash"]
+    for i in range(len(reference)):
+        got, want = store[i], reference[i]
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+        torch.testing.assert_close(got["hidden"].float(), want["hidden"].float(), atol=2e-2, rtol=1e-2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path, reference_store):
+    accelerate = [
+        str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--main_process_port", str(free_port()),
+    ]  # fmt: skip
+    result = extract_cli(tmp_path, env={"ACCELERATE_USE_CPU": "true"}, launcher=accelerate)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    store = FeatureStore(tmp_path)
+    assert_same_store(store, reference_store)
+    # shards 0, 2 by process 0 and 1, 3 by process 1: both processes worked, one manifest
+    assert [s["process"] for s in store.manifest["shards"]] == [0, 1, 0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".json")) == [
+        MANIFEST_NAME, *[f"shard-0000{k}.json" for k in range(4)], "store_config.json"
+    ]
+
+
+def test_killed_run_resumes_to_the_same_store(tmp_path, reference_store):
+    killed = extract_cli(tmp_path, env={STOP_AFTER_ENV: "1"})
+    assert killed.returncode != 0
+    assert (tmp_path / shard_name(0)).exists() and not (tmp_path / shard_name(1)).exists()
+    assert not (tmp_path / MANIFEST_NAME).exists()
+    kept = (tmp_path / shard_name(0)).stat().st_mtime_ns
+    # what a kill in the middle of the next shard leaves: a temp file, and a shard without its sidecar
+    (tmp_path / f".{shard_name(1)}.x1y2.tmp").write_bytes(b"partial")
+    shutil.copy(tmp_path / shard_name(0), tmp_path / shard_name(2))
+
+    resumed = extract_cli(tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert (tmp_path / shard_name(0)).stat().st_mtime_ns == kept  # the completed shard was kept
+    assert not list(tmp_path.glob(".*.tmp"))
+    store = FeatureStore(tmp_path)
+    store.verify()
+    assert_same_store(store, reference_store)
+    assert "conversations: 10" in resumed.stdout and "bytes per token" in resumed.stdout
+
+
+def test_cli_bad_input_exits_nonzero_naming_the_record(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = {"id": "ok", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hey"}]}
+    bad.write_text(json.dumps(good) + "\n" + '{"id": "broken", "conversations": [\n')
+    out_dir = tmp_path / "store"
+    result = extract_cli(out_dir, f"data.path={bad}")
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "bad.jsonl" in output and "line 2" in output
+    assert not out_dir.exists()
