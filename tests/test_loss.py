@@ -1,0 +1,104 @@
+"""The EAGLE loss: the exact shift, the mask alignment, the terms and the noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss, eagle_loss_sums, shift_sequence
+
+
+def test_shift_aligns_inputs_targets_and_mask_by_hand():
+    # Sequence: 3 prompt tokens then a 3-token reply. f_i is "feature i" (all entries equal i).
+    tokens = torch.tensor([10, 11, 12, 20, 21, 22])
+    mask = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    hidden = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 4)  # [L, d], f_i = i
+    s = shift_sequence(tokens, mask, hidden)
+    # head position j: input (f_j, t_{j+1}) -> target f_{j+1}, token t_{j+2}
+    assert s["input_ids"].tolist() == [11, 12, 20, 21, 22]
+    assert s["features"][:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert s["target_hidden"][:, 0].tolist() == [1, 2, 3, 4, 5]
+    assert s["target_ids"].tolist() == [12, 20, 21, 22, 0]
+    # trained iff the PREDICTED token t_{j+2} is a reply token: j = 1 (predicts 20), 2 (21), 3 (22).
+    # The reference's unshifted mask (EAGLE #317) would give [F, F, F, T, T] instead.
+    assert s["loss_mask"].tolist() == [False, True, True, True, False]
+
+
+def test_shift_refuses_too_short_sequences():
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        shift_sequence(torch.tensor([1]), torch.tensor([True]), torch.zeros(1, 4))
+
+
+def _random_case(seed: int = 0, b: int = 2, n: int = 7, d: int = 8, vocab: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    pred = torch.randn(b, n, d, generator=g)
+    target = torch.randn(b, n, d, generator=g)
+    weight = torch.randn(vocab, d, generator=g)
+    ids = torch.randint(0, vocab, (b, n), generator=g)
+    mask = torch.rand(b, n, generator=g) > 0.4
+    return pred, target, weight, ids, mask
+
+
+def test_loss_terms_match_a_direct_computation():
+    pred, target, weight, ids, mask = _random_case()
+    terms = eagle_loss(pred, target, weight, ids, mask, w_v=1.0, w_p=0.1, soft=True)
+    p, t = pred[mask], target[mask]
+    smooth_l1 = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
+    soft_target = torch.softmax(t @ weight.T, -1)
+    ce = -(soft_target * torch.log_softmax(p @ weight.T, -1)).sum(-1).mean()
+    torch.testing.assert_close(terms["smooth_l1"], smooth_l1)
+    torch.testing.assert_close(terms["ce"], ce)
+    torch.testing.assert_close(terms["loss"], smooth_l1 + 0.1 * ce)
+    hard = eagle_loss(pred, target, weight, ids, mask, soft=False)
+    torch.testing.assert_close(hard["ce"], F.cross_entropy(p @ weight.T, ids[mask]))
+
+
+def test_masked_positions_do_not_matter():
+    pred, target, weight, ids, mask = _random_case(1)
+    base = eagle_loss(pred, target, weight, ids, mask)
+    pred2 = pred.clone()
+    pred2[~mask] = 1e3  # garbage outside the mask
+    torch.testing.assert_close(eagle_loss(pred2, target, weight, ids, mask)["loss"], base["loss"])
+
+
+def test_global_normalisation_makes_split_batches_equal_to_one_batch():
+    pred, target, weight, ids, mask = _random_case(2, b=4)
+    whole = eagle_loss(pred, target, weight, ids, mask)["loss"]
+    halves = [eagle_loss_sums(pred[s], target[s], weight, ids[s], mask[s]) for s in (slice(0, 1), slice(1, 4))]
+    total_tokens = sum(h["tokens"] for h in halves)
+    split = sum(combine_terms(h, total_tokens)["loss"] for h in halves)
+    torch.testing.assert_close(split, whole)
+
+
+def test_soft_ce_target_is_detached():
+    pred, target, weight, ids, mask = _random_case(3)
+    pred.requires_grad_(True)
+    target.requires_grad_(True)
+    eagle_loss(pred, target, weight, ids, mask, w_v=0.0)["loss"].backward()
+    assert pred.grad[mask].abs().sum() > 0
+    assert torch.count_nonzero(target.grad) == 0  # the target's distribution is a constant
+
+
+def test_uniform_noise_is_bounded_and_reproducible():
+    x = torch.zeros(2, 50, 16)
+    a = add_feature_noise(x, "uniform", 0.1, torch.Generator().manual_seed(0))
+    b = add_feature_noise(x, "uniform", 0.1, torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)
+    assert a.abs().max() <= 0.1 and a.abs().max() > 0.09
+    assert a.mean().abs() < 0.01
+
+
+def test_length_scaled_noise_follows_the_reference_formula():
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(1, 1024, 8)
+    noisy = add_feature_noise(x, "length_scaled", 0.1, g)
+    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(noisy, (u - 0.5) * 0.2 * 512 / 1024)
+
+
+def test_no_noise_returns_the_input():
+    x = torch.randn(2, 3, 4)
+    assert add_feature_noise(x, "none") is x
+    with pytest.raises(ValueError, match="noise mode"):
+        add_feature_noise(x, "gaussian")

@@ -1,0 +1,119 @@
+"""Multi-process training on the CPU through `accelerate launch` (gloo): DDP and DeepSpeed ZeRO-2.
+
+Tolerance: the same global batch (2 processes x 1 micro-batch vs 1 process x 2 micro-batches) gives the
+same per-step losses within rel 1e-6 and the same final weights within atol 1e-6 (only the order of the
+float additions in the gradient all-reduce differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.data import DataConfig
+from eagle_train.config.extract import ExtractConfig
+from eagle_train.config.train import TrainConfig
+from eagle_train.data.tinystories import build_tinystories_conversations
+from eagle_train.train import run
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def store(target_cfg, tmp_path_factory) -> Path:
+    from eagle_train.extract import run as extract
+
+    root = tmp_path_factory.mktemp("dist")
+    build_tinystories_conversations(out_path=root / "conv.jsonl", limit=48)
+    data = DataConfig(name="tinystories", path=str(root / "conv.jsonl"))
+    extract(ExtractConfig(target=target_cfg, data=data, out_dir=str(root / "store"), dtype="float32", progress=False))
+    return root / "store"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ARGS = ("+recipe=stories260k_cpu", "progress=false", "max_steps=4", "log_every=1", "eval_every=0",
+        "save_every=2", "max_tokens=512", "max_batch_size=4", "eval_max_samples=4", "optim.warmup_steps=1",
+        "data.eval_fraction=0.1")
+
+
+def read_losses(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def launch(launcher: list[str], store: Path, out: Path, env: dict | None = None) -> list[dict]:
+    """`accelerate launch ... train.py` with the shared overrides; returns the per-step metric lines."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
+    args = [*ARGS, f"features={store}", f"out_dir={out}"]
+    done = subprocess.run([*launcher, str(REPO / "train.py"), *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return read_losses(out)
+
+
+@pytest.fixture(scope="module")
+def single(store, tmp_path_factory) -> Path:
+    """The reference: ONE process, grad_accum=2 (same global batch as 2 processes x 1), in this process."""
+    out = tmp_path_factory.mktemp("single")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[*ARGS, f"features={store}", f"out_dir={out}", "grad_accum=2"])
+        run(to_schema(cfg, TrainConfig))
+    finally:
+        torch.set_num_threads(previous)
+    return out
+
+
+def two_processes(config: str | None = None) -> list[str]:
+    head = [ACCELERATE, "launch", "--num_processes", "2", "--main_process_port", str(free_port())]
+    return [*head, "--config_file", config, "--mixed_precision", "no"] if config else [*head, "--multi_gpu"]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def test_two_process_ddp_equals_one_process_with_the_same_global_batch(store, single, tmp_path):
+    ddp = launch(two_processes(), store, tmp_path / "ddp", env={"ACCELERATE_USE_CPU": "true"})
+    reference = read_losses(single)
+    assert [m["step"] for m in ddp] == [1, 2, 3, 4]
+    for a, b in zip(ddp, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["lr"] == b["lr"]
+    wa, wb = weights(tmp_path / "ddp"), weights(single)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-6
+    at_step2 = load_file(str(tmp_path / "ddp" / "checkpoints" / "step_0000002" / "model.safetensors"))
+    assert any(not torch.equal(wa[k], at_step2[k]) for k in wa)  # it trained between the checkpoints
+
+
+def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(store, single, tmp_path):
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ShareMemCommBuilder().load()  # JIT-build DeepSpeed's CPU comm op once, outside the 2 ranks (cached)
+    config = str(REPO / "conf" / "accelerate" / "deepspeed_zero2.yaml")
+    ds = launch(two_processes(config), store, tmp_path / "ds")
+    # gradients really average over both ranks: ZeRO-2 follows the 1-process run step for step
+    for a, b in zip(ds, read_losses(single), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    state = tmp_path / "ds" / "checkpoints" / "step_0000004" / "training_state"
+    assert sorted(p.name for p in (state / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    wa, wb = weights(tmp_path / "ds"), weights(single)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
