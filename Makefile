@@ -8,7 +8,7 @@ ARGS ?=
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup test test-fast lint extract train eval demo bench clean
+.PHONY: help setup test test-fast lint demo data regenerate extract extract-mp train eval export bench clean
 
 help: ## List every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-11s %s\n", $$1, $$2}'
@@ -32,8 +32,29 @@ test-fast: setup ## Quick tier: unit tests only (skips `slow`)
 lint: setup ## ruff over the package, scripts and tests
 	$(PY) -m ruff check eagle_train scripts tests train.py
 
-extract: setup ## Extract target features on the embedded default (override with ARGS="target.path=... data.path=...")
+demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~12 min)
+	$(PY) -m eagle_train.pipeline experiment=tiny_cpu $(ARGS)
+
+data: setup ## Build the TinyStories conversations (data/generated/tinystories_sharegpt.jsonl)
+	$(PY) -m eagle_train.data.tinystories out=data/generated/tinystories_sharegpt.jsonl
+
+regenerate: setup ## The target writes the replies itself: ARGS="data=sharegpt_prompts out=FILE.jsonl"
+	$(PY) -m eagle_train.regenerate $(ARGS)
+
+extract: setup ## Extract target features (ARGS="target.path=... data.path=... out_dir=...")
 	$(PY) -m eagle_train.extract $(ARGS)
+
+extract-mp: setup ## Extract with 2 CPU processes (gloo); on GPUs: accelerate launch --num_processes N -m eagle_train.extract
+	ACCELERATE_USE_CPU=true $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 -m eagle_train.extract $(ARGS)
+
+train: setup ## Train the draft head: ARGS="features=DIR out_dir=DIR [+recipe=stories260k_cpu] [max_steps=N]"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/accelerate launch --config_file conf/accelerate/single.yaml train.py $(ARGS)
+
+eval: setup ## Evaluate a head: tau, acceptance, speedup, greedy identity, plots (ARGS="draft.path=DIR bench=mt_bench")
+	$(PY) -m eagle_train.evaluate $(ARGS)
+
+export: setup ## Export a trained head for a server: ARGS="ckpt=DIR format=vllm|sglang|eagle out=DIR"
+	$(PY) -m eagle_train.export $(ARGS)
 
 bench: setup ## Run every benchmark script (figures printed and saved under bench_results/)
 	@set -e; for s in scripts/bench_*.py; do echo "== $$s"; $(PY) $$s; done

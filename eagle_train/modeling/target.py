@@ -3,19 +3,36 @@
 `load_target` loads any Hugging Face causal LM (local directory or hub id) frozen and in eval mode;
 `Target.features` returns the logits and the last hidden state, the LM head's input (EAGLE's feature
 f_j). This module and `draft.py` are the only importers of `transformers` in the package.
+
+Decode time (used by `eagle_train.spec.decoder`): `Target.new_cache` preallocates a `StaticKVCache`;
+`Target.decode` runs the stock model on new tokens with explicit position ids and a 4-D boolean
+attention mask (True = attend; converted to an additive float mask for eager attention) against that
+cache, writing the new keys/values after the committed slots. A prefill is `decode` with a causal mask,
+a tree verification is `decode` with the tree mask and positions prefix + depth; the caller then keeps
+the accepted path with `StaticKVCache.compact`. No patched modeling code: the cache reaches the model
+through `HFCacheView`, which speaks the `Cache.update(key, value, layer_idx)` call of the attention layers.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.target import TargetConfig
+from eagle_train.kv_cache import StaticKVCache
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,6 +125,59 @@ class Target:
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Only the last hidden state [batch, seq, hidden] (cheaper: no vocabulary projection)."""
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        """A preallocated KV cache for one sequence of up to `capacity` tokens."""
+        config = self.model.config
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        return StaticKVCache(
+            int(config.num_hidden_layers), kv_heads, head_dim, capacity, dtype=self.dtype, device=self.device
+        )
+
+    @torch.no_grad()
+    def decode(
+        self,
+        input_ids: torch.Tensor,  # [1, q]: new tokens
+        position_ids: torch.Tensor,  # [1, q]: their positions (prefix length + depth for a tree)
+        attention_mask: torch.Tensor,  # bool [1, 1, q, cache.seq_len + q], True = attend
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One cached forward of the stock model over new tokens. Their keys/values are written after
+        the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
+        Returns (logits [1, q, vocab], hidden [1, q, hidden]); hidden is the feature f (after the norm)."""
+        if self.model.config._attn_implementation == "eager":
+            zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
+            attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
+        decoder = self.decoder
+        kwargs = {_cache_kwarg(type(decoder)): HFCacheView(cache)}
+        out = decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True, **kwargs
+        )
+        hidden = out.last_hidden_state
+        return self.lm_head(hidden), hidden
+
+
+class HFCacheView:
+    """A `StaticKVCache` seen through the Hugging Face `Cache` calls the attention layers make."""
+
+    is_compileable = False
+
+    def __init__(self, cache: StaticKVCache):
+        self.cache = cache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.cache.update(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.seq_len
+
+
+@functools.cache
+def _cache_kwarg(decoder_type: type) -> str:
+    """`cache` in transformers >= 5.x (past_key_values is deprecated there), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(decoder_type.forward).parameters else "past_key_values"
 
 
 def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:

@@ -1,0 +1,73 @@
+"""A preallocated key/value cache shared by the target and the draft head at decode time.
+
+One buffer per keys and values, `[layers, batch, kv_heads, capacity, head_dim]`, allocated once per
+generation. `seq_len` is the number of committed slots. A forward writes its `q` new entries at
+`[seq_len, seq_len + q)` in every layer (`update`) and attends over `[0, seq_len + q)`; the caller then
+commits them (`advance`), drops them (`crop`) or keeps a subset (`compact`, used after tree
+verification to keep the accepted path). Nothing is allocated per step.
+
+Slots are storage order, not positions: a tree node's key is rotated with its own position
+(prefix length + depth) when it is written, so moving an accepted node to the next free slot keeps it
+valid. Pure torch: the Hugging Face adapter lives in `modeling/target.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """Preallocated per-layer keys/values with a committed length `seq_len` (batch size is fixed)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.seq_len = 0
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values [batch, kv_heads, q, head_dim] after the committed slots of
+        `layer_idx` and return the layer's keys/values so far [batch, kv_heads, seq_len + q, head_dim]."""
+        start, end = self.seq_len, self.seq_len + key.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, capacity {self.capacity}")
+        self.keys[layer_idx, :, :, start:end] = key
+        self.values[layer_idx, :, :, start:end] = value
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        """Commit the `num_tokens` entries written by the last forward."""
+        if self.seq_len + num_tokens > self.capacity:
+            raise ValueError(f"KV cache overflow: {self.seq_len + num_tokens} > capacity {self.capacity}")
+        self.seq_len += num_tokens
+
+    def crop(self, seq_len: int) -> None:
+        """Forget every slot from `seq_len` on."""
+        if not 0 <= seq_len <= self.capacity:
+            raise ValueError(f"crop length {seq_len} outside [0, {self.capacity}]")
+        self.seq_len = seq_len
+
+    def compact(self, base: int, keep: torch.Tensor) -> None:
+        """Keep the slots `base + keep` (ascending offsets, e.g. an accepted tree path) as slots
+        `base, base + 1, ...` and make them the committed end of the cache."""
+        n = int(keep.numel())
+        src = keep.to(device=self.keys.device, dtype=torch.long) + base
+        # Gather first (index_select copies), so overlapping source/destination slots are safe.
+        self.keys[:, :, :, base : base + n] = self.keys.index_select(3, src)
+        self.values[:, :, :, base : base + n] = self.values.index_select(3, src)
+        self.seq_len = base + n
+
+    def reset(self) -> None:
+        """Empty the cache (the buffers are kept)."""
+        self.seq_len = 0

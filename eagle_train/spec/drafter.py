@@ -1,0 +1,99 @@
+"""The draft head at decode time: its KV cache, the per-round catch-up pass and the tree draft step.
+
+The head's input at position j is the pair (f_j, t_{j+1}); its output f^_{j+1} gives the draft
+distribution of t_{j+2}. Committed cache slots hold pairs built from the TARGET's features of accepted
+tokens. Each round starts with `catch_up`: the pairs of last round's accepted tokens + bonus token,
+whose features the verification forward already produced (no extra target forward). Its last output is
+the root's draft state. Tree inputs then go after the committed slots (`__call__`, the `DraftStep` of
+`spec.expand`) and are dropped at the next catch-up. A decoder keeps one `Drafter` for all its generations
+(`reset`): buffers grow when needed, the fused weights of the lean forward are built once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle_train.kv_cache import StaticKVCache
+from eagle_train.spec import lean_draft
+from eagle_train.spec.stats import GenerationStats
+
+
+class Drafter:
+    """Runs a draft head (see `eagle_train.modeling.draft.DraftHead`) with a preallocated cache."""
+
+    def __init__(self, head, capacity: int, max_tree_inputs: int, stats: GenerationStats, lean: bool = True):
+        config = head.config
+        param = next(head.parameters())
+        self.head, self.max_tree_inputs = head, max_tree_inputs
+        self.device, self.dtype = param.device, param.dtype
+        heads = int(config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        # Row 0: the root's draft state; row i + 1: the output of tree input i.
+        self.hidden = torch.zeros(max_tree_inputs + 1, int(config.hidden_size), dtype=self.dtype, device=self.device)
+        # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
+        self.lean = lean_draft.LeanDraft(head, 0) if lean and lean_draft.supports(head) else None
+        self.capacity = -1
+        self.reset(capacity, stats)
+
+    def reset(self, capacity: int, stats: GenerationStats) -> None:
+        """Start a new generation of at most `capacity` committed pairs. The cache, mask and position
+        buffers (and the lean forward's fused weights) are kept when they are big enough."""
+        self.stats = stats
+        self.committed = 0  # pairs in the cache = position of the root token
+        self.fed = 0  # tree inputs fed this round
+        if capacity <= self.capacity:
+            self.cache.crop(0)
+            return
+        self.capacity = capacity
+        total = capacity + self.max_tree_inputs
+        layers = int(self.head.config.num_hidden_layers)
+        self.cache = StaticKVCache(layers, self.kv_heads, self.head_dim, total, dtype=self.dtype, device=self.device)
+        self.mask = torch.ones(max(1, self.max_tree_inputs), total, dtype=torch.bool, device=self.device)
+        self.positions = torch.arange(total + 1, device=self.device)
+        if self.lean is not None:
+            self.lean.extend_positions(total + 1)
+
+    def _forward(self, tokens, features, positions, mask) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if self.lean is not None:
+            hidden = self.lean.forward(tokens, features, positions, mask, self.cache)
+            logp = self.lean.log_probs(hidden)
+        else:
+            hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), positions.unsqueeze(0), mask, self.cache)[0]
+            logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
+        self.stats.time_draft_forward += time.perf_counter() - t0
+        return hidden, logp
+
+    @torch.no_grad()
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Commit pairs (features[i], tokens[i]) at the next positions; tokens [m], features [m, hidden]
+        (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1])."""
+        self.cache.crop(self.committed)
+        m = tokens.shape[0]
+        positions = self.positions[self.committed : self.committed + m]
+        hidden, logp = self._forward(tokens, features.to(self.dtype), positions, None)  # None = causal
+        self.cache.advance(m)
+        self.committed += m
+        self.hidden[0] = hidden[-1]
+        self.fed = 0
+        return logp[-1]
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int) -> torch.Tensor:
+        """The tree draft step (see `spec.expand`): inputs at `depth` below the root."""
+        m, base = tokens.shape[0], self.committed
+        features = self.hidden[parents + 1]  # [m, hidden]: each parent's draft state
+        position = base - 1 + depth  # the pair (parent's draft state, token at position base + depth)
+        positions = self.positions[position : position + 1].expand(m)
+        kv_end = base + self.fed + m
+        region = self.mask[:m, base:kv_end]
+        region.copy_(tree_mask)
+        hidden, logp = self._forward(tokens, features, positions, self.mask[:m, :kv_end].unsqueeze(0).unsqueeze(0))
+        region.fill_(True)
+        self.cache.advance(m)
+        self.hidden[self.fed + 1 : self.fed + 1 + m] = hidden
+        self.fed += m
+        return logp

@@ -1,0 +1,193 @@
+"""Decoding speed on stories260K, greedy, TinyStories prompts: AR baseline, HF generate, chain, EAGLE-1, EAGLE-2.
+
+All methods run side by side in one process: for every prompt each method generates in turn (R
+repeats, median time per prompt and method), so a busy shared CPU slows them alike. Tokens/s =
+generated tokens / sum of median times; speedup = tokens/s over the AR baseline's (same harness,
+same cache code). `overhead` = wall time outside the target and draft forwards / wall time.
+
+Without --draft, a head is trained here for a couple of minutes (a small loop of its own: SmoothL1 on
+features + 0.1 soft CE) on the target's own greedy continuations of TinyStories prompts plus
+TinyStories text; --save-draft keeps it (reuse with --draft). Every speculative output is checked
+token for token against the AR baseline.
+
+    python scripts/bench_decode.py [--draft DIR] [--prompts 16] [--max-new-tokens 128] [--repeats 3]
+Writes bench_results/decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from eagle_train.config import REPO_ROOT, TargetConfig, to_schema
+from eagle_train.config.decode import DecodeConfig
+from eagle_train.modeling.checkpoint import load_head, save_head
+from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.target import load_target
+from eagle_train.spec.decoder import SpeculativeDecoder
+
+DATA = REPO_ROOT.parent / "shared" / "data" / "tinystories"
+
+METHODS = {
+    "ar": DecodeConfig(method="ar"),
+    "hf": DecodeConfig(method="hf"),
+    "chain4": DecodeConfig(method="chain", chain_length=4),
+    "eagle1_mc_sim_7b_63": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
+    "eagle1_cpu": DecodeConfig(method="eagle1", tree="cpu_small"),
+    "eagle2_ref_60_5_10": DecodeConfig(method="eagle2", depth=5, top_k=10, total_tokens=60),
+    "eagle2_cpu": DecodeConfig(method="eagle2", depth=4, top_k=3, total_tokens=16),
+}
+
+
+def load_prompts(tokenizer, n: int, offset: int = 0) -> list[list[int]]:
+    lines = (DATA / "tinystories_prompts.jsonl").read_text().splitlines()[offset : offset + n]
+    return [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+
+
+def training_rows(target, prompts: list[list[int]], seq_len: int = 128) -> torch.Tensor:
+    """Token rows [n, seq_len]: the target's greedy continuations of prompts + TinyStories text."""
+    rows = []
+    for prompt in prompts:
+        out = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=300)).generate(prompt)
+        rows.append(torch.tensor(prompt + out.tokens))
+    text = (DATA / "tinystories_val_head.txt").read_text()[:150_000]
+    rows.append(torch.tensor(target.tokenizer(text)["input_ids"]))
+    flat = torch.cat(rows)
+    n = flat.numel() // seq_len
+    return flat[: n * seq_len].view(n, seq_len)
+
+
+def train_draft(target, rows: torch.Tensor, steps: int, batch: int = 16, lr: float = 3e-3) -> DraftHead:
+    """A 1-layer EAGLE head: SmoothL1(f^, f) + 0.1 * soft CE against the target's distribution."""
+    torch.manual_seed(0)
+    logits, feats = target.features(rows)  # [n, seq, vocab], [n, seq, hidden]
+    head = DraftHead.from_target(target.config)
+    head.share_target_weights(target.embed_tokens, target.lm_head)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    for step in range(steps):
+        pick = torch.randint(0, rows.shape[0], (batch,))
+        f, t, lg = feats[pick], rows[pick], logits[pick]
+        noisy = f[:, :-1] + (torch.rand_like(f[:, :-1]) - 0.5) * 0.2  # input noise U(-0.1, 0.1)
+        pred = head(t[:, 1:], noisy)[:, :-1]  # pairs (f_j, t_{j+1}) -> f^_{j+1}
+        reg = torch.nn.functional.smooth_l1_loss(pred, f[:, 1:-1])
+        ce = -(torch.softmax(lg[:, 1:-1], -1) * torch.log_softmax(head.logits(pred), -1)).sum(-1).mean()
+        loss = reg + 0.1 * ce
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 200 == 0 or step == steps - 1:
+            print(f"  train step {step:5d} loss {loss.item():.4f} (smooth_l1 {reg.item():.4f}, ce {ce.item():.3f})")
+    return head.eval()
+
+
+def time_methods(target, head, prompts, methods, max_new_tokens: int, repeats: int) -> dict:
+    """Median time per (prompt, method), tokens, and the speculative stats; checks greedy equality."""
+    results = {name: {"times": [], "tokens": 0, "stats": []} for name in methods}
+    decoders = {
+        name: SpeculativeDecoder(target, head, DecodeConfig(**{**cfg.__dict__, "max_new_tokens": max_new_tokens}))
+        for name, cfg in methods.items()
+    }
+    for i, prompt in enumerate(prompts):
+        runs: dict[str, list] = {name: [] for name in methods}
+        for _ in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method
+            for name, decoder in decoders.items():
+                runs[name].append(decoder.generate(prompt))
+        reference = runs["ar"][0].tokens if "ar" in runs else None
+        for name, rs in runs.items():
+            if reference is not None and rs[0].tokens != reference:
+                raise AssertionError(f"{name} output differs from the AR baseline on prompt {i}")
+            results[name]["times"].append(statistics.median(r.stats.time_total for r in rs))
+            results[name]["tokens"] += len(rs[0].tokens)
+            results[name]["stats"].append(rs[len(rs) // 2].stats)
+    return results
+
+
+def summarize(results: dict) -> dict:
+    base = results["ar"]["tokens"] / sum(results["ar"]["times"])
+    summary = {}
+    for name, r in results.items():
+        tps = r["tokens"] / sum(r["times"])
+        stats = r["stats"]
+        total = sum(s.time_total for s in stats)
+        accepted = [a for s in stats for a in s.accepted_per_round]
+        summary[name] = {
+            "tokens_per_s": tps,
+            "speedup": tps / base,
+            "tau": (sum(a + 1 for a in accepted) / len(accepted)) if accepted else 1.0,
+            "overhead_fraction": sum(s.time_other for s in stats) / total if name != "hf" else None,
+            "draft_fraction": sum(s.time_draft for s in stats) / total,
+            "verify_fraction": sum(s.time_verify for s in stats) / total,
+            "target_forward_fraction": sum(s.time_target_forward for s in stats) / total if name != "hf" else None,
+            "draft_forward_fraction": sum(s.time_draft_forward for s in stats) / total,
+            "mean_tree_size": statistics.mean(n for s in stats for n in s.tree_size_per_round) if accepted else 1,
+            "tokens": r["tokens"],
+            "seconds": sum(r["times"]),
+        }
+    return summary
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'method':24s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'tree':>5s} {'overhead':>9s} {'draft':>6s} {'verify':>7s}")
+    for name, s in summary.items():
+        ov = "-" if s["overhead_fraction"] is None else f"{s['overhead_fraction']:.1%}"
+        print(f"{name:24s} {s['tokens_per_s']:8.1f} {s['speedup']:7.2f}x {s['tau']:6.2f} {s['mean_tree_size']:5.1f} "
+              f"{ov:>9s} {s['draft_fraction']:6.1%} {s['verify_fraction']:7.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", help="a trained head directory (save_head layout); default: train one here")
+    ap.add_argument("--save-draft", help="where to save the head trained here")
+    ap.add_argument("--train-steps", type=int, default=1500)
+    ap.add_argument("--train-prompts", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    ap.add_argument("--eagle2-shapes", default="", help="extra EAGLE-2 shapes to time, e.g. 4/3/12,5/2/10 (depth/top_k/total)")
+    ap.add_argument("--out", default=str(REPO_ROOT / "bench_results" / "decode.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target(to_schema(OmegaConf.load(REPO_ROOT / "conf" / "target" / "stories260k.yaml"), TargetConfig))
+    if args.draft:
+        head, _ = load_head(args.draft)
+        head.share_target_weights(target.embed_tokens, target.lm_head)
+        head.eval()
+    else:
+        t0 = time.perf_counter()
+        rows = training_rows(target, load_prompts(target.tokenizer, args.train_prompts, offset=200))
+        print(f"training a head on {rows.numel()} tokens for {args.train_steps} steps")
+        head = train_draft(target, rows, args.train_steps)
+        print(f"  trained in {time.perf_counter() - t0:.0f} s")
+        if args.save_draft:
+            save_head(head, args.save_draft, {"target": "stories260k", "trained_by": "scripts/bench_decode.py"})
+    methods = {name: METHODS[name] for name in args.methods.split(",")}
+    for shape in filter(None, args.eagle2_shapes.split(",")):
+        depth, top_k, total = (int(x) for x in shape.split("/"))
+        methods[f"eagle2_{depth}_{top_k}_{total}"] = DecodeConfig(method="eagle2", depth=depth, top_k=top_k, total_tokens=total)
+    prompts = load_prompts(target.tokenizer, args.prompts)
+    time_methods(target, head, prompts[:1], methods, 32, 1)  # warm-up
+    summary = summarize(time_methods(target, head, prompts, methods, args.max_new_tokens, args.repeats))
+    print_table(summary)
+    trees = {name: {k: v for k, v in cfg.__dict__.items() if k in ("method", "chain_length", "tree", "depth", "top_k", "total_tokens")}
+             for name, cfg in methods.items()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"summary": summary, "methods": trees, "args": vars(args), "threads": torch.get_num_threads()}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

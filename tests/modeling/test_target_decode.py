@@ -1,0 +1,61 @@
+"""The target's decode path: stock HF model + static KV cache + 4-D mask + explicit positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_train.modeling.target import load_target
+from eagle_train.spec.tree import build_tree
+
+
+def causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def any_target(request, target_cfg, target):
+    if request.param == "sdpa":
+        return target
+    from dataclasses import replace
+
+    return load_target(replace(target_cfg, attn_implementation="eager"))
+
+
+def test_prefill_equals_features(any_target):
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = any_target.new_cache(64)
+    logits, hidden = any_target.decode(ids, torch.arange(40)[None], causal(40), cache)
+    ref_logits, ref_hidden = any_target.features(ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    # lm_head(hidden) == logits: the feature is the LM head's input
+    torch.testing.assert_close(any_target.lm_head(hidden), logits)
+
+
+def test_tree_forward_equals_per_path_sequential_forwards(any_target):
+    """One forward over a tree (4-D mask, positions prefix + depth) gives each node the logits and
+    feature of a plain forward over prefix + its root-to-node path; compaction keeps a valid cache."""
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 500, (1, 17), generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
+    tree = build_tree(torch.randint(3, 500, (len(parents),), generator=g), parents)
+    cache = any_target.new_cache(64)
+    any_target.decode(prefix, torch.arange(17)[None], causal(17), cache)
+    cache.advance(17)
+    n = tree.size
+    mask = torch.cat([torch.ones(n, 17, dtype=torch.bool), tree.attention_mask], dim=1)[None, None]
+    logits, hidden = any_target.decode(tree.tokens[None], (tree.depth + 17)[None], mask, cache)
+    for leaf_path in tree.retrieve_indices.tolist():
+        path = [i for i in leaf_path if i >= 0]
+        seq = torch.cat([prefix[0], tree.tokens[path]])[None]
+        ref_logits, ref_hidden = any_target.features(seq)
+        torch.testing.assert_close(logits[0, path], ref_logits[0, 17:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hidden[0, path], ref_hidden[0, 17:], rtol=1e-4, atol=1e-4)
+    # keep the path 0 -> 1 -> 3 -> 6, then one more token must see exactly prefix + that path
+    keep = [0, 1, 3, 6]
+    cache.compact(17, torch.tensor(keep))
+    nxt = torch.tensor([[42]])
+    out, _ = any_target.decode(nxt, torch.tensor([[21]]), torch.ones(1, 1, 1, 22, dtype=torch.bool), cache)
+    seq = torch.cat([prefix[0], tree.tokens[keep], nxt[0]])[None]
+    torch.testing.assert_close(out[0, -1], any_target.features(seq)[0][0, -1], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,124 @@
+"""Fixtures for the decoder tests: a scripted draft (log-probs as a function of the token path) and
+draft heads for stories260K (random, and one trained here for a few hundred steps on real features)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import pytest
+import torch
+
+from tests.conftest import DATA
+
+
+@functools.lru_cache(maxsize=100_000)
+def path_log_probs(path: tuple[int, ...], vocab: int, scale: float = 2.0) -> torch.Tensor:
+    """Deterministic, tie-free log-probs [vocab] for a token path (seeded by a hash of the path)."""
+    seed = int.from_bytes(hashlib.sha256(repr(path).encode()).digest()[:6], "little")
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * scale, -1).float()
+
+
+class ScriptedDraft:
+    """A `DraftStep` whose output depends only on the token path from the root; it checks that every
+    call's parents, tree mask and depth describe that path exactly."""
+
+    def __init__(self, root: int, vocab: int, scale: float = 2.0):
+        self.root, self.vocab, self.scale = root, vocab, scale
+        self.paths: list[tuple[int, ...]] = []  # token path (root first) of every fed input
+        self.ancestors: list[set[int]] = []  # fed indices of every fed input's fed ancestors
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.paths.clear()
+        self.ancestors.clear()
+
+    def root_log_probs(self) -> torch.Tensor:
+        return path_log_probs((self.root,), self.vocab, self.scale)
+
+    def __call__(self, tokens, parents, tree_mask, depth):
+        self.calls += 1
+        m = tokens.shape[0]
+        assert tree_mask.shape == (m, len(self.paths) + m)
+        new_paths, new_ancestors = [], []
+        for i in range(m):
+            parent = int(parents[i])
+            base = (self.root,) if parent == -1 else self.paths[parent]
+            path = (*base, int(tokens[i]))
+            assert len(path) - 1 == depth, "depth must match the path"
+            ancestors = set() if parent == -1 else {*self.ancestors[parent], parent}
+            expected = {*ancestors, len(self.paths) + i}
+            assert set(torch.nonzero(tree_mask[i]).flatten().tolist()) == expected, "tree mask != ancestors + self"
+            new_paths.append(path)
+            new_ancestors.append(ancestors)
+        self.paths.extend(new_paths)
+        self.ancestors.extend(new_ancestors)
+        return torch.stack([path_log_probs(p, self.vocab, self.scale) for p in new_paths])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Decoding runs many tiny ops: one thread is faster than two on a shared 2-core CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def scripted_draft():
+    return ScriptedDraft
+
+
+@pytest.fixture(scope="session")
+def random_head(target):
+    """An untrained head (fixed seed) sharing the target's embedding and LM head."""
+    from eagle_train.modeling.draft import DraftHead
+
+    torch.manual_seed(1)
+    head = DraftHead.from_target(target.config)
+    head.share_target_weights(target.embed_tokens, target.lm_head)
+    return head.eval()
+
+
+def train_head(target, steps: int = 250, seq_len: int = 128, batch: int = 8, lr: float = 3e-3, seed: int = 0):
+    """A small head trained on the target's own features of TinyStories text (SmoothL1 + soft CE)."""
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster, and kinder to a shared CPU
+    try:
+        return _train(target, steps, seq_len, batch, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(target, steps, seq_len, batch, lr):
+    from eagle_train.modeling.draft import DraftHead
+
+    text = (DATA / "tinystories" / "tinystories_val_head.txt").read_text()
+    ids = torch.tensor(target.tokenizer(text[:60_000])["input_ids"])
+    n = (ids.numel() // seq_len) * seq_len
+    rows = ids[:n].view(-1, seq_len)
+    logits, feats = target.features(rows)  # [rows, seq, vocab], [rows, seq, hidden]
+    head = DraftHead.from_target(target.config)
+    head.share_target_weights(target.embed_tokens, target.lm_head)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
+    for _ in range(steps):
+        pick = torch.randint(0, rows.shape[0], (batch,))
+        f, t, lg = feats[pick], rows[pick], logits[pick]
+        pred = head(t[:, 1:], f[:, :-1])  # pairs (f_j, t_{j+1}) -> f^_{j+1}
+        reg = torch.nn.functional.smooth_l1_loss(pred[:, :-1], f[:, 1:-1])
+        target_p = torch.softmax(lg[:, 1:-1], -1)
+        ce = -(target_p * torch.log_softmax(head.logits(pred[:, :-1]), -1)).sum(-1).mean()
+        loss = reg + 0.1 * ce
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_head(target):
+    return train_head(target)

@@ -1,0 +1,185 @@
+"""The decoder on the real stories260K target: greedy speculative output == autoregressive output
+token for token (chain, static and dynamic trees; random and trained heads; across EOS and the
+context limit), the round's first token is the target's own, and lossless sampling on real
+next-token distributions (chi-square, fixed seeds, rejected below p = 1e-3)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle_train.config.decode import DecodeConfig
+from eagle_train.spec.decoder import SpeculativeDecoder
+from eagle_train.spec.drafter import Drafter
+from eagle_train.spec.expand import expand_static, plan_static
+from eagle_train.spec.stats import GenerationStats
+from eagle_train.spec.tree import shape_from_paths
+from eagle_train.spec.verify import accept_sampling, process_logits
+from tests.conftest import DATA
+
+SPEC = {
+    "chain": DecodeConfig(method="chain", chain_length=4),
+    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
+    "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16),
+}
+
+
+def prompts(target, n: int = 2) -> list[list[int]]:
+    lines = (DATA / "tinystories" / "tinystories_prompts.jsonl").read_text().splitlines()[:n]
+    return [target.tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+
+
+def generate(target, head, cfg: DecodeConfig, prompt, **overrides):
+    return SpeculativeDecoder(target, head, replace(cfg, **overrides)).generate(prompt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_kind", ["random_head", "trained_head"])
+@pytest.mark.parametrize("method", sorted(SPEC))
+def test_greedy_speculative_equals_autoregressive(request, target, method, head_kind):
+    head = request.getfixturevalue(head_kind)
+    for prompt in prompts(target):
+        ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=100)
+        spec = generate(target, head, SPEC[method], prompt, max_new_tokens=100)
+        assert spec.tokens == ar.tokens and spec.stop_reason == ar.stop_reason
+        assert sum(a + 1 for a in spec.stats.accepted_per_round) + 1 >= len(spec.tokens)
+        if head_kind == "trained_head":  # a trained head must actually be accepted
+            assert spec.stats.tau > 1.3
+
+
+@pytest.mark.slow
+def test_stops_at_eos_like_autoregressive(target, trained_head):
+    """A story ends with the stop id 1: every method stops on it, at the same token."""
+    prompt = target.tokenizer("Once upon a time, there was a cat. The cat was happy. The end.")["input_ids"]
+    ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=400)
+    assert ar.stop_reason == "stop_token" and ar.tokens[-1] in target.stop_token_ids
+    for cfg in SPEC.values():
+        spec = generate(target, trained_head, cfg, prompt, max_new_tokens=400)
+        assert spec.tokens == ar.tokens and spec.stop_reason == "stop_token"
+
+
+@pytest.mark.slow
+def test_context_limit_like_autoregressive(target, target_cfg, random_head, trained_head):
+    short = replace(target, cfg=replace(target_cfg, max_len=40))
+    prompt = prompts(target, 1)[0]
+    ar = generate(short, None, DecodeConfig(method="ar"), prompt, max_new_tokens=500)
+    assert ar.stop_reason == "context" and len(prompt) + len(ar.tokens) == 40
+    for head in (random_head, trained_head):
+        for cfg in SPEC.values():
+            assert generate(short, head, cfg, prompt, max_new_tokens=500).tokens == ar.tokens
+    hf = generate(short, None, DecodeConfig(method="hf"), prompt, max_new_tokens=500)
+    assert hf.tokens == ar.tokens
+
+
+@pytest.mark.slow
+def test_hf_generate_and_max_new_tokens(target):
+    prompt = prompts(target, 1)[0]
+    ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=40)
+    hf = generate(target, None, DecodeConfig(method="hf"), prompt, max_new_tokens=40)
+    assert ar.tokens == hf.tokens and len(ar.tokens) == 40 and ar.stop_reason == "max_new_tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_round_starts_with_the_targets_own_token(target, trained_head, temperature):
+    """Measured: the first token of every round (the root, drawn from the target's distribution) is
+    always emitted; greedy: it is the target's argmax given everything before it."""
+    prompt = prompts(target, 1)[0]
+    res = generate(target, trained_head, SPEC["eagle2"], prompt, max_new_tokens=60, temperature=temperature)
+    starts = [0]
+    for a in res.stats.accepted_per_round:
+        starts.append(starts[-1] + a + 1)
+    roots = [s for s in starts if s < len(res.tokens)]
+    assert len(roots) == res.stats.rounds + (1 if starts[-1] < len(res.tokens) else 0)
+    seq = torch.tensor(prompt + res.tokens)[None]
+    logits, _ = target.features(seq)
+    for s in roots:
+        p = torch.softmax(logits[0, len(prompt) + s - 1], -1)
+        token = res.tokens[s]
+        if temperature == 0:
+            assert token == int(p.argmax())
+        else:
+            assert p[token] > 0
+    rates = res.stats.acceptance_by_position
+    assert all(0.0 <= r <= 1.0 for r in rates) and len(res.stats.node_confidence) == len(res.stats.node_accepted)
+
+
+def joint_counts(target, head, sample_children: bool, runs: int, seed: int):
+    """Counts of the first two tokens after a fixed root on a real prompt, emitted by one verification
+    round (then continued from the target), with top-k 6 sampling at temperature 1."""
+    process = lambda lg: process_logits(lg, 1.0, 1.0, 6)  # noqa: E731
+    prompt = torch.tensor(prompts(target, 1)[0])
+    logits, feats = target.features(prompt[None])
+    root = int(logits[0, -1].argmax())
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
+    plan = plan_static(shape_from_paths(paths))
+    drafter = Drafter(head, target.max_len, plan.shape.size, GenerationStats())
+    root_lp = drafter.catch_up(torch.cat([prompt[1:], torch.tensor([root])]), feats[0])
+    g = torch.Generator().manual_seed(seed)
+    memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def p_after(ctx: tuple[int, ...]) -> torch.Tensor:
+        if ctx not in memo:
+            seq = torch.cat([prompt, torch.tensor([root, *ctx])])[None]
+            memo[ctx] = process(target.features(seq)[0][0, -1])
+        return memo[ctx]
+
+    counts = torch.zeros(target.vocab_size, target.vocab_size)
+    tree = None
+    for _ in range(runs):
+        if tree is None or sample_children:
+            drafter.cache.crop(drafter.committed)
+            drafter.fed = 0
+            tree = expand_static(plan, root, root_lp, drafter, (lambda lp: process(lp)) if sample_children else None, g)
+            node_ctx = [tuple(tree.tokens[[j for j in row if j >= 0][1:]].tolist()) for row in _node_paths(tree)]
+            probs = torch.stack([p_after(c) for c in node_ctx])
+        path, bonus = accept_sampling(tree, probs, g)
+        out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        if len(out) < 2:
+            out.append(int(torch.multinomial(p_after(tuple(out)), 1, generator=g)))
+        counts[out[0], out[1]] += 1
+    exact = torch.stack([p_after(()) [a] * p_after((a,)) for a in range(target.vocab_size)])
+    return counts, exact
+
+
+def _node_paths(tree):
+    paths, parents = [], tree.parents.tolist()
+    for i in range(tree.size):
+        paths.append([*paths[parents[i]], i] if i else [0])
+    return paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sample_children", [False, True])
+def test_sampling_is_lossless_on_stories260k(target, trained_head, sample_children):
+    counts, exact = joint_counts(target, trained_head, sample_children, runs=3000, seed=7)
+    support = exact.flatten() > 0
+    assert counts.flatten()[~support].sum() == 0  # nothing outside the target's top-k support
+    n = counts.sum()
+    pvalue = chisquare(counts.flatten()[support].numpy(), (exact.flatten()[support] * n).numpy()).pvalue
+    assert pvalue > 1e-3
+
+
+@pytest.mark.slow
+def test_sampling_decoder_runs_and_stops(target, trained_head):
+    prompt = prompts(target, 1)[0]
+    for cfg in SPEC.values():
+        res = generate(target, trained_head, cfg, prompt, max_new_tokens=50, temperature=0.8, top_p=0.95, seed=3)
+        assert 0 < len(res.tokens) <= 50 and all(0 <= t < target.vocab_size for t in res.tokens)
+        again = generate(target, trained_head, cfg, prompt, max_new_tokens=50, temperature=0.8, top_p=0.95, seed=3)
+        assert again.tokens == res.tokens  # the seeded generator makes a run reproducible
+
+
+@pytest.mark.slow
+def test_stop_strings_like_autoregressive(target, trained_head):
+    prompt = prompts(target, 1)[0]
+    ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=100, stop_strings=["tree"])
+    assert ar.stop_reason == "stop_string" and "tree" in target.tokenizer.decode(ar.tokens)
+    assert "tree" not in target.tokenizer.decode(ar.tokens[:-1])
+    for cfg in SPEC.values():
+        spec = generate(target, trained_head, cfg, prompt, max_new_tokens=100, stop_strings=["tree"])
+        assert spec.tokens == ar.tokens and spec.stop_reason == "stop_string"

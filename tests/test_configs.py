@@ -1,0 +1,82 @@
+"""Every shipped config composes and validates against its stage's schema, in every combination of the
+groups it uses (targets x data sets; pipeline experiments; static trees)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.config.export import ExportConfig
+from eagle_train.config.extract import ExtractConfig
+from eagle_train.config.pipeline import PipelineConfig
+from eagle_train.config.regenerate import RegenerateConfig
+from eagle_train.config.train import TrainConfig
+
+SCHEMAS = {
+    "extract": ExtractConfig,
+    "train": TrainConfig,
+    "evaluate": EvaluateConfig,
+    "regenerate": RegenerateConfig,
+    "export": ExportConfig,
+    "pipeline": PipelineConfig,
+}
+# Values a user must give on the command line (no sensible default).
+REQUIRED = {
+    "export": ["ckpt=runs/x/final", "out=exports/x"],
+    "train": ["features=runs/x/features"],
+    "evaluate": ["draft.path=runs/x/final"],
+}
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _groups_of(config_name: str) -> list[str]:
+    defaults = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").get("defaults", [])
+    groups = []
+    for entry in defaults:
+        if isinstance(entry, dict) or OmegaConf.is_dict(entry):
+            (key,) = list(entry.keys())
+            if not str(key).startswith(("override", "optional")) and (CONF_DIR / str(key)).is_dir():
+                groups.append(str(key))
+    return groups
+
+
+def _combinations():
+    for name in SCHEMAS:
+        groups = _groups_of(name)
+        for values in itertools.product(*(_options(g) for g in groups)):
+            yield name, [f"{g}={v}" for g, v in zip(groups, values)]
+    # training recipes are opt-in (`+recipe=NAME`), on top of every target
+    for recipe, target in itertools.product(_options("recipe"), _options("target")):
+        yield "train", [f"target={target}", f"+recipe={recipe}"]
+
+
+def test_every_stage_has_a_primary_config():
+    assert sorted(p.stem for p in CONF_DIR.glob("*.yaml")) == sorted(SCHEMAS)
+
+
+@pytest.mark.parametrize("config_name, overrides", list(_combinations()), ids=lambda v: str(v))
+def test_config_composes_and_validates(config_name, overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=overrides + REQUIRED.get(config_name, []))
+    obj = to_schema(cfg, SCHEMAS[config_name])
+    assert obj is not None
+    if hasattr(obj, "target"):
+        for override in overrides:
+            group, value = override.split("=")
+            if group == "target":  # the preset really reached the schema
+                expected = OmegaConf.load(CONF_DIR / "target" / f"{value}.yaml")
+                assert obj.target.name == expected.name
+
+
+@pytest.mark.parametrize("tree", _options("tree"))
+def test_static_trees_load(tree):
+    paths = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / f"{tree}.yaml"))
+    assert paths, f"conf/tree/{tree}.yaml is empty"

@@ -1,0 +1,88 @@
+"""`eagle_train.evaluate.run` on the real stories260K with an (untrained) head written to disk:
+answers for every question, turn and method, greedy identity, the second turn's context, the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.decode import DecodeConfig
+from eagle_train.config.draft import DraftConfig
+from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.evaluate import calibration_pairs, fit_prompt, run
+from eagle_train.modeling.checkpoint import save_head
+from eagle_train.modeling.draft import DraftHead
+from eagle_train.spec.stats import GenerationStats
+
+
+@pytest.fixture(scope="module")
+def head_dir(target, tmp_path_factory):
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target.config, num_layers=1, fc_bias=True)
+    return save_head(head, tmp_path_factory.mktemp("head") / "final", {"target": "stories260k"})
+
+
+def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
+    user = tmp_path / "two_turns.jsonl"
+    user.write_text(json.dumps({"id": "t", "turns": ["Once upon a time, a cat sat.", "Then it rained."]}) + "\n")
+    cfg = EvaluateConfig(
+        target=target_cfg, draft=DraftConfig(path=str(head_dir)), bench=["tinystories", str(user)],
+        methods=["ar", "chain", "eagle2"], num_questions=2, out_dir=str(tmp_path / "eval"), num_threads=1,
+        decode=DecodeConfig(max_new_tokens=24, depth=3, top_k=4, total_tokens=16), min_rounds=1000, progress=False,
+    )
+    report = run(cfg)
+    out = tmp_path / "eval"
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    # tinystories: 2 questions x 1 turn x 3 methods; the user file: 1 question x 2 turns x 3 methods
+    assert len(answers) == 12
+    assert {(a["bench"], a["method"]) for a in answers} == {(b, m) for b in ("tinystories", "two_turns")
+                                                           for m in ("ar", "chain", "eagle2")}
+    for a in answers:
+        assert a["new_tokens"] == len(a["tokens"]) > 0
+        if a["method"] == "ar":
+            assert a["accept_lengths"] == [1] * a["new_tokens"]
+        else:  # the first token comes from the prefill; a stop may cut the last round short
+            assert a["new_tokens"] <= sum(a["accept_lengths"]) + 1 and len(a["accept_lengths"]) == len(a["draft_depths"])
+        assert a["identical"] is (None if a["method"] == "ar" else True)  # greedy: equal to ar, token for token
+    # the second turn is asked with the first answer in context
+    turns = {a["turn"]: a for a in answers if a["bench"] == "two_turns" and a["method"] == "chain"}
+    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"] // 2
+    rows = {(r["bench"], r["method"]): r for r in report["results"]}
+    assert rows[("tinystories", "ar")]["speedup"] == pytest.approx(1.0)
+    assert rows[("tinystories", "eagle2")]["identical"] == 2 and rows[("two_turns", "chain")]["answers"] == 2
+    assert all(r["tau"] >= 1.0 for r in rows.values())
+    assert any("rounds (< 1000)" in n for n in report["sanity"])  # too few rounds is flagged
+    for name in ("report.json", "report.md", "acceptance_by_position.png", "calibration.png", "speedup.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| tinystories | eagle2 | 2 |" in (out / "report.md").read_text()
+
+
+def test_config_from_hydra_and_errors(tmp_path):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = to_schema(compose("evaluate", overrides=["draft.path=/x", "bench=qa", "num_questions=3"]), EvaluateConfig)
+    assert cfg.bench == ["qa"] and cfg.methods == ["ar", "chain", "eagle1", "eagle2"] and cfg.decode.temperature == 0
+    with pytest.raises(ValueError, match="draft.path"):
+        EvaluateConfig(methods=["ar", "eagle2"])
+    with pytest.raises(ValueError, match="methods"):
+        EvaluateConfig(methods=["ar", "medusa"])
+    assert EvaluateConfig(methods=["ar"]).bench == ["mt_bench"]
+
+
+def test_fit_prompt_keeps_start_and_end():
+    assert fit_prompt([1, 2, 3], 5) == ([1, 2, 3], 0)
+    assert fit_prompt([1, 2, 3, 4, 5, 6], 4) == ([1, 4, 5, 6], 2)
+
+
+def test_calibration_pairs_for_chains_and_trees():
+    # two rounds of a chain of 3: accepted 1 (nodes 1, 2 tested), then 3 (all tested)
+    stats = GenerationStats(accepted_per_round=[1, 3], tree_size_per_round=[4, 4], node_depth=[1, 2, 3] * 2,
+                            node_confidence=[0.9, 0.5, 0.4, 0.8, 0.7, 0.6], node_accepted=[1, 0, 0, 1, 1, 1])
+    assert calibration_pairs(stats, "chain") == [[0.9, 1], [0.5, 0], [0.8, 1], [0.7, 1], [0.6, 1]]
+    # a tree (root + two children + one grandchild): only depth-1 nodes are known to be tested
+    tree = GenerationStats(accepted_per_round=[2], tree_size_per_round=[4], node_depth=[1, 1, 2],
+                           node_confidence=[0.6, 0.3, 0.9], node_accepted=[1, 0, 1])
+    assert calibration_pairs(tree, "eagle2") == [[0.6, 1], [0.3, 0]]

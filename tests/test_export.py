@@ -1,0 +1,129 @@
+"""The export stage: Hydra config, run(cfg) on a real checkpoint, bad input, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.export import ExportConfig
+from eagle_train.export import run
+from eagle_train.modeling.checkpoint import save_head
+from eagle_train.modeling.draft import DraftHead
+from tests.conftest import STORIES260K
+
+
+def export_cfg(*overrides: str) -> ExportConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return to_schema(compose("export", overrides=list(overrides)), ExportConfig)
+
+
+@pytest.fixture
+def ckpt(target, tmp_path):
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target.config, fc_bias=True)
+    # what training writes (eagle_train/training/sources.py: checkpoint_identity)
+    meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"}, "max_len": 384, "step": 7}
+    return save_head(head, tmp_path / "ckpt", meta)
+
+
+def test_shipped_config_composes():
+    cfg = export_cfg()
+    assert cfg.format == "vllm" and cfg.fc_bias == "fold" and cfg.ckpt == ""
+
+
+@pytest.mark.parametrize("fmt,weights", [("vllm", "model.safetensors"), ("sglang", "model.safetensors"), ("eagle", "pytorch_model.bin")])
+def test_run_writes_each_layout(ckpt, tmp_path, fmt, weights):
+    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}"))
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", weights])
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_train"]["target"] == "stories260k" and config["eagle_train"]["max_len"] == 384
+    assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_source"] == str(STORIES260K)
+
+
+def test_overrides_and_dtype(ckpt, tmp_path):
+    out = run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'o'}", "dtype=bfloat16",
+                         "target_id=my-llama", "max_len=2048"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_train"]["target"] == "my-llama" and config["eagle_train"]["max_len"] == 2048
+    assert all(v.dtype == torch.bfloat16 for v in load_file(str(out / "model.safetensors")).values())
+
+
+def test_bad_input(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="format must be one of"):
+        export_cfg(f"ckpt={ckpt}", "format=onnx", f"out={tmp_path / 'o'}")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run(export_cfg(f"ckpt={tmp_path / 'missing'}", f"out={tmp_path / 'o'}"))
+    with pytest.raises(ValueError, match="set ckpt"):
+        run(export_cfg(f"out={tmp_path / 'o'}"))
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+        run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_refuse_policy_leaves_nothing(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="vLLM's EAGLE fc has no bias"):
+        run(export_cfg(f"ckpt={ckpt}", "fc_bias=refuse", f"out={tmp_path / 'o'}"))
+    assert not (tmp_path / "o").exists() and list(tmp_path.iterdir()) == [ckpt]
+
+
+@pytest.mark.slow
+def test_cli(ckpt, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "eagle_train.export", f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'cli'}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "cli"]  # Hydra wrote no run directory
+
+
+def random_head(target, fc_bias: bool) -> DraftHead:
+    """Every trainable weight random (norms and fc bias included), the target's embedding / LM head shared."""
+    torch.manual_seed(3)
+    head = DraftHead.from_target(target.config, fc_bias=fc_bias)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith(("fc.", "layers.")):
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+    head.share_target_weights(target.embed_tokens, target.lm_head)
+    return head.eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Per-call overhead dominates a 260K model; one thread avoids contention on the shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# sglang and vllm without a bias copy the weights exactly (head outputs compared in tests/modeling/test_interop.py)
+@pytest.mark.parametrize("fmt,fc_bias", [("vllm", True), ("eagle", True)])
+def test_export_import_gives_identical_decoder_output(target, tmp_path, one_thread, fmt, fc_bias):
+    """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with
+    the original head (tokens and per-round acceptance), for every layout."""
+    from eagle_train.config.decode import DecodeConfig
+    from eagle_train.modeling.interop import export_head, load_draft, load_input_embedding
+    from eagle_train.spec.decoder import SpeculativeDecoder
+
+    head = random_head(target, fc_bias)
+    embed = load_input_embedding(STORIES260K) if fmt == "eagle" else None
+    imported = load_draft(export_head(head, fmt, tmp_path / fmt, embed_tokens=embed), target)
+    cfg = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=16)
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
+    runs = [SpeculativeDecoder(target, h, cfg).generate(prompt) for h in (head, imported)]
+    assert runs[0].tokens == runs[1].tokens
+    stats = [{k: v for k, v in r.stats.to_dict().items() if "time" not in k and "second" not in k} for r in runs]
+    confidence = [s.pop("node_confidence", None) for s in stats]
+    assert stats[0] == stats[1]  # rounds, accepted lengths, acceptance by position
+    assert confidence[1] == pytest.approx(confidence[0], rel=1e-2, abs=1e-5)  # the vllm fold rounds differently

@@ -1,0 +1,44 @@
+"""The preallocated KV cache: write after the committed slots, commit, crop, compact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_train.kv_cache import StaticKVCache
+
+
+def entries(n: int, start: float) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.float32) + start).view(1, 1, n, 1).expand(1, 2, n, 3)
+
+
+def test_update_advance_crop():
+    cache = StaticKVCache(2, 2, 3, 10)
+    for layer in range(2):
+        k, v = cache.update(layer, entries(4, 0), entries(4, 100))
+        assert k.shape == (1, 2, 4, 3) and v[0, 0, :, 0].tolist() == [100, 101, 102, 103]
+    cache.advance(4)
+    k, _ = cache.update(0, entries(2, 10), entries(2, 110))
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 10, 11]
+    cache.crop(2)
+    k, _ = cache.update(0, entries(1, 20), entries(1, 120))
+    assert k[0, 0, :, 0].tolist() == [0, 1, 20]
+
+
+def test_compact_keeps_accepted_slots_in_order():
+    cache = StaticKVCache(1, 2, 3, 12)
+    cache.update(0, entries(3, 0), entries(3, 0))
+    cache.advance(3)
+    cache.update(0, entries(6, 10), entries(6, 50))  # a 6-node tree after 3 committed slots
+    cache.compact(3, torch.tensor([0, 2, 5]))
+    assert cache.seq_len == 6
+    assert cache.keys[0, 0, 0, :6, 0].tolist() == [0, 1, 2, 10, 12, 15]
+    assert cache.values[0, 0, 1, :6, 0].tolist() == [0, 1, 2, 50, 52, 55]
+
+
+def test_overflow_is_refused():
+    cache = StaticKVCache(1, 1, 1, 4)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(0, torch.zeros(1, 1, 5, 1), torch.zeros(1, 1, 5, 1))
+    with pytest.raises(ValueError, match="overflow"):
+        cache.advance(5)

@@ -1,0 +1,100 @@
+"""The experiment runner: presets compose, every stage's overrides are valid for that stage, and a run
+resumes (a finished stage is skipped, a changed one reruns, a failing one stops the run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.config.extract import ExtractConfig
+from eagle_train.config.pipeline import PipelineConfig, StageSpec
+from eagle_train.config.regenerate import RegenerateConfig
+from eagle_train.config.train import TrainConfig
+from eagle_train.data.tinystories import parse_args as tinystories_args
+from eagle_train.pipeline import run
+
+PRESETS = ["tiny_cpu", "llama3_1_8b_instruct", "vicuna_7b", "qwen2_5_7b_instruct"]
+# stage module -> its Hydra primary config (conf/<name>.yaml)
+HYDRA_STAGES = {"eagle_train.regenerate": "regenerate", "eagle_train.extract": "extract",
+                "eagle_train.train": "train", "eagle_train.evaluate": "evaluate"}
+SCHEMAS = {"regenerate": RegenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
+
+
+def compose_pipeline(overrides: list[str]) -> PipelineConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return to_schema(compose("pipeline", overrides=overrides), PipelineConfig)
+
+
+def stage_config_name(spec: StageSpec) -> str | None:
+    if spec.module:
+        return HYDRA_STAGES.get(spec.module)
+    return "train" if "train.py" in spec.launcher else HYDRA_STAGES.get(spec.launcher[-1])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_stages_accept_their_overrides(preset, tmp_path):
+    cfg = compose_pipeline([f"experiment={preset}", f"run_dir={tmp_path}"])
+    assert cfg.name == preset and {"extract", "train", "evaluate"} <= set(cfg.stages)
+    assert cfg.report.startswith(str(tmp_path))
+    for name, spec in cfg.stages.items():
+        assert all(o.startswith(str(tmp_path)) or "${" not in o for o in spec.outputs)
+        config_name = stage_config_name(spec)
+        if spec.module == "eagle_train.data.tinystories":
+            tinystories_args(spec.args)  # argparse exits on an unknown argument
+        elif config_name is not None:  # the stage's own config and schema accept these overrides
+            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+                to_schema(compose(config_name, overrides=spec.args), SCHEMAS[config_name])
+        else:
+            raise AssertionError(f"{preset}/{name}: unknown stage command {spec}")
+        if spec.module:
+            assert importlib.util.find_spec(spec.module) is not None, spec.module
+
+
+def prepare_only(tmp_path, limit: int, **kw) -> PipelineConfig:
+    out = tmp_path / "convs.jsonl"
+    spec = StageSpec(module="eagle_train.data.tinystories", args=[f"out={out}", f"limit={limit}"], outputs=[str(out)])
+    return PipelineConfig(name="t", run_dir=str(tmp_path), stages={"prepare": spec},
+                          report=str(tmp_path / "none.md"), **kw)
+
+
+def test_run_resume_rerun_and_failure(tmp_path, capsys):
+    records = run(prepare_only(tmp_path, 5))
+    lines = (tmp_path / "convs.jsonl").read_text().splitlines()
+    assert len(lines) == 5 and not records[0]["skipped"]
+    assert "wrote 5 conversations" in (tmp_path / "logs" / "prepare.log").read_text()
+    assert json.loads((tmp_path / "pipeline.json").read_text())["stages"][0]["stage"] == "prepare"
+
+    assert run(prepare_only(tmp_path, 5))[0]["skipped"]  # finished, same command: skipped
+    assert not run(prepare_only(tmp_path, 5, force=["prepare"]))[0]["skipped"]
+    assert not run(prepare_only(tmp_path, 7))[0]["skipped"]  # command changed: rerun
+    assert len((tmp_path / "convs.jsonl").read_text().splitlines()) == 7
+
+    bad = prepare_only(tmp_path, 3)
+    bad.stages["prepare"].args.append("--no-such-flag")
+    with pytest.raises(SystemExit, match="stage 'prepare' failed.*prepare.log"):
+        run(bad)
+    assert not (tmp_path / ".stages" / "prepare.json").exists()  # a failed stage is never marked done
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown pipeline stages"):
+        PipelineConfig(stages={"finetune": StageSpec(module="x", outputs=["y"])})
+    with pytest.raises(ValueError, match="list its outputs"):
+        StageSpec(module="eagle_train.extract")
+    with pytest.raises(ValueError, match="does not have"):
+        PipelineConfig(stages={"train": StageSpec(module="x", outputs=["y"])}, force=["evaluate"])
+
+
+def test_stage_command_uses_this_interpreter(tmp_path):
+    cfg = compose_pipeline([f"run_dir={tmp_path}", '+overrides.evaluate=["num_questions=1"]', "dry_run=true"])
+    records = run(cfg)
+    evaluate = next(r for r in records if r["stage"] == "evaluate")
+    assert evaluate["argv"][:3] == [sys.executable, "-m", "eagle_train.evaluate"]
+    assert evaluate["argv"][-1] == "num_questions=1"
+    assert not (tmp_path / "pipeline.json").exists()  # a dry run writes nothing

@@ -1,0 +1,168 @@
+"""Regeneration of replies by the real stories260K target: resume, batching, limits, turns, sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import eagle_train.regenerate as regen
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.data import DataConfig
+from eagle_train.config.regenerate import RegenerateConfig
+from eagle_train.data.render import ChatRenderer
+from tests.conftest import DATA
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A 260K-parameter model on 2 shared cores: one intra-op thread is much faster (and less noisy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_prompts(path, n: int = 50, turns: int = 1) -> list[str]:
+    """The first `n` TinyStories evaluation prompts as a prompt-only ShareGPT JSONL; returns the ids."""
+    lines = (DATA / "tinystories" / "tinystories_prompts.jsonl").read_text().splitlines()[:n]
+    records = []
+    for line in lines:
+        r = json.loads(line)
+        conv = [{"from": "human", "value": r["prompt"]}]
+        if turns == 2:
+            conv += [{"from": "gpt", "value": "(original reply, replaced)"}, {"from": "human", "value": "Then the sun came out."}]
+        records.append({"id": f"story_{r['id']}", "conversations": conv})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [r["id"] for r in records]
+
+
+def make_cfg(target_cfg, prompts, out, **kw) -> RegenerateConfig:
+    data = DataConfig(name="prompts", path=str(prompts), build=None, max_len=kw.pop("data_max_len", None))
+    defaults = {"batch_size": 8, "max_new_tokens": 24, "progress": False}
+    return RegenerateConfig(target=target_cfg, data=data, out=str(out), **{**defaults, **kw})
+
+
+def test_shipped_config_composes():
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = to_schema(compose("regenerate", overrides=["turns=all", "temperature=0.7"]), RegenerateConfig)
+        prompts = to_schema(compose("regenerate", overrides=["data=sharegpt_prompts", "data.limit=5", "data.max_len=300"]),
+                            RegenerateConfig)
+    assert cfg.target.name == "stories260k" and cfg.turns == "all" and cfg.out.endswith("_regenerated.jsonl")
+    assert prompts.data.name == "sharegpt_prompts" and prompts.data.limit == 5 and prompts.data.max_len == 300
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(target_cfg, tmp_path, monkeypatch):
+    ids = write_prompts(tmp_path / "prompts.jsonl", 50)
+    full = regen.run(make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "a.jsonl"))
+    assert full["records"] == 50 and full["too_long"] == 0
+    reference = (tmp_path / "a.jsonl").read_text()
+    assert [json.loads(line)["id"] for line in reference.splitlines()] == ids  # input order
+
+    real, calls = regen.generate_batch, []
+
+    def crash_on_fourth_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # the user stops the run
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen, "generate_batch", crash_on_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        regen.run(make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "b.jsonl"))
+    part = tmp_path / "b.jsonl.part0"
+    assert len(part.read_text().splitlines()) == 24 and not (tmp_path / "b.jsonl").exists()
+    with part.open("a") as f:
+        f.write('{"id": "story_99", "conversations": [{"from": "hu')  # a write torn by the crash
+    monkeypatch.setattr(regen, "generate_batch", real)
+    resumed = regen.run(make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "b.jsonl"))
+    assert resumed["already_done"] == 24 and resumed["written"] == 26
+    assert (tmp_path / "b.jsonl").read_text() == reference
+    assert not list(tmp_path.glob("b.jsonl.part*"))
+    again = regen.run(make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "b.jsonl"))  # nothing left to do
+    assert again["written"] == 0 and (tmp_path / "b.jsonl").read_text() == reference
+
+
+def test_batched_greedy_equals_one_at_a_time(target, tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 8)
+    renderer = ChatRenderer(target.tokenizer, target.cfg)
+    prompts = [renderer.render_prompt([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}])
+               for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len({len(p) for p in prompts}) > 3  # different lengths: real left padding
+    batched = regen.generate_batch(target, prompts, 40)
+    single = [regen.generate_batch(target, [p], 40)[0] for p in prompts]
+    assert batched == single
+
+
+def test_too_long_prompts_are_skipped_and_counted(target, target_cfg, tmp_path):
+    ids = write_prompts(tmp_path / "p.jsonl", 12)
+    renderer = ChatRenderer(target.tokenizer, target.cfg)
+    lengths = {i: len(renderer.render_prompt([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}]))
+               for i, line in zip(ids, (tmp_path / "p.jsonl").read_text().splitlines(), strict=True)}
+    limit = sorted(lengths.values())[6] + 8  # room for 8 new tokens after the 7 shortest prompts (ties: more)
+    stats = regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", max_new_tokens=8, data_max_len=limit))
+    fits = [i for i in ids if lengths[i] + 8 <= limit]
+    assert stats["too_long"] == 12 - len(fits) > 0
+    assert [json.loads(line)["id"] for line in (tmp_path / "o.jsonl").read_text().splitlines()] == fits
+
+
+def test_every_turn_with_own_replies_in_context(target, target_cfg, tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 3, turns=2)
+    regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", turns="all", max_new_tokens=12))
+    record = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
+    roles = [t["from"] for t in record["conversations"]]
+    assert roles == ["human", "gpt", "human", "gpt"] and len(record["finish_reasons"]) == 2
+    first_reply = record["conversations"][1]["value"]
+    assert first_reply != "(original reply, replaced)"
+    messages = [{"role": "user", "content": record["conversations"][0]["value"]},
+                {"role": "assistant", "content": first_reply},
+                {"role": "user", "content": "Then the sun came out."}]
+    prompt = ChatRenderer(target.tokenizer, target.cfg).render_prompt(messages)
+    reply, _ = regen.generate_batch(target, [prompt], 12)[0]
+    assert record["conversations"][3]["value"] == target.tokenizer.decode(reply, skip_special_tokens=True)
+
+
+def test_sampling_is_seeded(target_cfg, tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 4)
+    outs = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / f"{name}.jsonl", temperature=1.0, top_p=0.9, seed=seed))
+        outs.append((tmp_path / f"{name}.jsonl").read_text())
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+
+
+def test_bad_lines_and_config(target_cfg, tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 2)
+    (tmp_path / "o.jsonl").write_text('{"id": "x"}\nnot json\n{"id": "y"}\n')
+    with pytest.raises(ValueError, match=r"o.jsonl: line 2: not JSON"):
+        regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl"))
+    with pytest.raises(ValueError, match="turns must be one of"):
+        make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", turns="last")
+    with pytest.raises(ValueError, match="set out="):
+        regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", ""))
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_equal_one(target_cfg, tmp_path):
+    """`accelerate launch` with 2 CPU processes: each writes its part, the main one merges in input order."""
+    import os
+    import subprocess
+    import sys
+
+    write_prompts(tmp_path / "p.jsonl", 12)
+    args = [f"data.path={tmp_path / 'p.jsonl'}", "data.build=null", "batch_size=4", "max_new_tokens=16",
+            "num_threads=1", "progress=false"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "eagle_train.regenerate"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([*launch, *args, f"out={tmp_path / 'two.jsonl'}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads((tmp_path / "two.jsonl.stats.json").read_text())
+    assert stats["processes"] == 2 and stats["records"] == 12
+    regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "one.jsonl", batch_size=4, max_new_tokens=16))
+    assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["p.jsonl", "one.jsonl", "one.jsonl.stats.json", "two.jsonl", "two.jsonl.stats.json"])
