@@ -111,10 +111,11 @@ class SpeculativeDecoder:
         stats = GenerationStats(prompt_tokens=prompt.numel())
         out = _Output(self.cfg, prompt.numel(), max_len, self.target.stop_token_ids, self.target.tokenizer)
         start = time.perf_counter()
-        if self.cfg.method == "hf":
-            self._generate_hf(prompt, out)
-        else:
-            self._run(prompt, out, stats)
+        with torch.inference_mode():  # cheaper tensor ops than no_grad; nothing here needs autograd
+            if self.cfg.method == "hf":
+                self._generate_hf(prompt, out)
+            else:
+                self._run(prompt, out, stats)
         stats.time_total = time.perf_counter() - start
         stats.new_tokens = len(out.tokens)
         return GenerationResult(tokens=out.tokens, stop_reason=out.reason or "max_new_tokens", stats=stats)

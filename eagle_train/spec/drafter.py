@@ -31,7 +31,7 @@ class Drafter:
         heads = int(config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        # Row 0: the root's draft state; row i + 1: the output of tree input i.
+        # Row i: the output of tree input i; the last row (index -1, a root parent): the root's draft state.
         self.hidden = torch.zeros(max_tree_inputs + 1, int(config.hidden_size), dtype=self.dtype, device=self.device)
         # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
         self.lean = lean_draft.LeanDraft(head, 0) if lean and lean_draft.supports(head) else None
@@ -46,23 +46,27 @@ class Drafter:
         self.fed = 0  # tree inputs fed this round
         if capacity <= self.capacity:
             self.cache.crop(0)
+            self.mask.fill_(True)  # a generation may end with a tree region written
             return
         self.capacity = capacity
         total = capacity + self.max_tree_inputs
         layers = int(self.head.config.num_hidden_layers)
         self.cache = StaticKVCache(layers, self.kv_heads, self.head_dim, total, dtype=self.dtype, device=self.device)
         self.mask = torch.ones(max(1, self.max_tree_inputs), total, dtype=torch.bool, device=self.device)
+        self.mask4 = self.mask[None, None]  # [1, 1, rows, total]: the view the forward takes slices of
         self.positions = torch.arange(total + 1, device=self.device)
         if self.lean is not None:
             self.lean.extend_positions(total + 1)
 
-    def _forward(self, tokens, features, positions, mask) -> torch.Tensor:
+    def _forward(self, tokens, features, positions: slice, mask) -> torch.Tensor:
+        """positions: a slice of positions, one per input or one for all inputs."""
         t0 = time.perf_counter()
         if self.lean is not None:
             hidden = self.lean.forward(tokens, features, positions, mask, self.cache)
             logp = self.lean.log_probs(hidden)
         else:
-            hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), positions.unsqueeze(0), mask, self.cache)[0]
+            pos = self.positions[positions].expand(tokens.shape[0]).unsqueeze(0)
+            hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), pos, mask, self.cache)[0]
             logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
         self.stats.time_draft_forward += time.perf_counter() - t0
         return hidden, logp
@@ -72,12 +76,14 @@ class Drafter:
         """Commit pairs (features[i], tokens[i]) at the next positions; tokens [m], features [m, hidden]
         (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1])."""
         self.cache.crop(self.committed)
+        if self.fed:  # last round's tree region becomes committed columns: attend to them
+            self.mask[:, self.committed :].fill_(True)
         m = tokens.shape[0]
-        positions = self.positions[self.committed : self.committed + m]
+        positions = slice(self.committed, self.committed + m)
         hidden, logp = self._forward(tokens, features.to(self.dtype), positions, None)  # None = causal
         self.cache.advance(m)
         self.committed += m
-        self.hidden[0] = hidden[-1]
+        self.hidden[-1] = hidden[-1]
         self.fed = 0
         return logp[-1]
 
@@ -85,15 +91,13 @@ class Drafter:
     def __call__(self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int) -> torch.Tensor:
         """The tree draft step (see `spec.expand`): inputs at `depth` below the root."""
         m, base = tokens.shape[0], self.committed
-        features = self.hidden[parents + 1]  # [m, hidden]: each parent's draft state
+        features = self.hidden[parents]  # [m, hidden]: each parent's draft state (-1: the root's)
         position = base - 1 + depth  # the pair (parent's draft state, token at position base + depth)
-        positions = self.positions[position : position + 1].expand(m)
+        positions = slice(position, position + 1)  # the same for all m inputs
         kv_end = base + self.fed + m
-        region = self.mask[:m, base:kv_end]
-        region.copy_(tree_mask)
-        hidden, logp = self._forward(tokens, features, positions, self.mask[:m, :kv_end].unsqueeze(0).unsqueeze(0))
-        region.fill_(True)
+        self.mask[:m, base:kv_end] = tree_mask  # the tree region (restored at the next catch-up)
+        hidden, logp = self._forward(tokens, features, positions, self.mask4[:, :, :m, :kv_end])
         self.cache.advance(m)
-        self.hidden[self.fed + 1 : self.fed + 1 + m] = hidden
+        self.hidden[self.fed : self.fed + m] = hidden
         self.fed += m
         return logp

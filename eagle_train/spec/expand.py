@@ -14,6 +14,7 @@ sampled children) comes from an injected torch.Generator. Pure torch + stdlib.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -103,6 +104,49 @@ def expand_static(
     return replace(template, tokens=tokens, confidence=confidence, draft_probs=draft_probs)
 
 
+@dataclass
+class _DynamicPlan:
+    """Index tables of one EAGLE-2 shape (depth, k, total_tokens), built once. Candidates are numbered in
+    creation order: the root's k children, then k * k per depth; index C is the root itself. Fed inputs
+    are numbered in feed order (k per depth, F = depth * k); feed index F stands for the root as a
+    parent, F + 1 for "no parent" (the root's own)."""
+
+    level_parent: list[torch.Tensor]  # per depth d: feed index of the parent of each of its k * k children
+    parent_feed: torch.Tensor  # [C + 1]: feed index of each candidate's parent (root's children: F; root: F + 1)
+    depth: torch.Tensor  # [C + 1]: tree depth of each candidate (root: 0)
+    feed_offsets: torch.Tensor  # [F + 2]: added to the picked rows to get candidate ids (see `_rerank`)
+    first_rows: torch.Tensor  # [k]: the root's children are fed first: rows 0..k-1
+    first_parents: torch.Tensor  # [k]: -1, the draft step's parent index of the root's children
+    tail: torch.Tensor  # [2]: zeros, appended to the picked rows (-> candidate ids C, C + 1)
+    node_of: torch.Tensor  # [C + 2]: template of candidate -> node id (n = not kept; C: 0, C + 1: -1)
+    mask_base: torch.Tensor  # [n, n] bool: diagonal and root column
+    arange: torch.Tensor  # [n]: 0..n-1
+
+
+@functools.lru_cache(maxsize=32)
+def _dynamic_plan(depth: int, k: int, total_tokens: int, device: torch.device) -> _DynamicPlan:
+    """The index tables of one EAGLE-2 shape (cached: one build per shape and device)."""
+    kk, num_fed = k * k, depth * k
+    num_cands = k + depth * kk
+    n = min(total_tokens, num_cands + 1)
+    children = torch.arange(k, device=device).repeat_interleave(k)
+    level_parent = [children + (d - 1) * k for d in range(1, depth + 1)]
+    root = torch.full((k,), num_fed, dtype=torch.long, device=device)
+    none = torch.full((1,), num_fed + 1, dtype=torch.long, device=device)
+    parent_feed = torch.cat([root, *level_parent, none])
+    depth_of = torch.cat([torch.ones(k), torch.arange(2, depth + 2).repeat_interleave(kk), torch.zeros(1)]).long()
+    offsets = [0] * k + [k + (d - 1) * kk for d in range(1, depth) for _ in range(k)] + [num_cands, num_cands + 1]
+    node_of = torch.full((num_cands + 2,), n, dtype=torch.long, device=device)
+    node_of[num_cands], node_of[num_cands + 1] = 0, -1
+    mask_base = torch.eye(n, dtype=torch.bool, device=device)
+    mask_base[:, 0] = True
+    return _DynamicPlan(
+        level_parent, parent_feed, depth_of.to(device), torch.tensor(offsets, device=device),
+        torch.arange(k, device=device), torch.full((k,), -1, dtype=torch.long, device=device),
+        torch.zeros(2, dtype=torch.long, device=device), node_of, mask_base, torch.arange(n, device=device),
+    )
+
+
 def expand_dynamic(
     root_token: int,
     root_log_probs: torch.Tensor,  # [vocab]
@@ -117,74 +161,60 @@ def expand_dynamic(
     total_tokens - 1 highest-value candidates (ties to the shallower one), a connected tree because a
     value never grows along a path.
 
-    Everything is a fixed-shape tensor op (k = top_k inputs fed per depth, k * k candidates per depth),
-    no Python loop over nodes and no host sync: a candidate's parent is a fed input (or the root), and
-    `ancestors` holds each fed input's fed ancestors and itself (the draft step's mask)."""
+    Fixed-shape tensor ops only (k = top_k inputs fed per depth, k * k candidates per depth, index
+    tables built once per shape): no Python loop over nodes and no host sync. `ancestors` holds each
+    fed input's fed ancestors and itself (the draft step's mask); its last two rows (the root as a
+    parent, no parent) are empty."""
     device = root_log_probs.device
     k = min(top_k, root_log_probs.shape[-1])
+    plan = _dynamic_plan(depth, k, total_tokens, device)
     values, tokens = torch.topk(root_log_probs, k)  # depth 1: the root's children
-    cand_values, cand_tokens, cand_lp = [values], [tokens], [values]
-    cand_parent_feed = [torch.full((k,), -1, dtype=torch.long, device=device)]  # feed index of the parent
-    feed_cands = [torch.arange(k, device=device)]  # candidate id of every fed input, in feed order
-    # [F + 1, F], F = depth * k: row i = fed input i's fed ancestors and itself; row F (= row -1, the
-    # root's) is empty
-    ancestors = torch.eye(depth * k + 1, depth * k, dtype=torch.bool, device=device)
-    feed_values, feed_parents = values, cand_parent_feed[0]
-    children_of = torch.arange(k, device=device).repeat_interleave(k)  # [k * k]: row of each child's parent
+    cand_values, cand_tokens, cand_lp, picks = [values], [tokens], [values], [plan.first_rows]
+    ancestors = torch.eye(depth * k + 2, depth * k, dtype=torch.bool, device=device)
+    feed_values, feed_parents = values.unsqueeze(1), plan.first_parents
     for d in range(1, depth + 1):
         lo, hi = (d - 1) * k, d * k
         if d > 1:
             ancestors[lo:hi, :lo] = ancestors[feed_parents, :lo]
         level_lp = step(tokens, feed_parents, ancestors[lo:hi, :hi], d)  # [k, vocab]
         child_lp, child_tok = torch.topk(level_lp, k, dim=-1)  # [k, k]
-        # a rounding excess above 0 must not let a child outrank its parent
-        child_lp = child_lp.clamp(max=0.0).flatten()
-        level_values = feed_values.repeat_interleave(k) + child_lp
+        child_lp = child_lp.clamp_(max=0.0).view(-1)  # a rounding excess above 0 must not outrank the parent
+        level_values = child_lp.view(k, k).add(feed_values).view(-1)  # [k * k]
+        child_tok = child_tok.view(-1)
         cand_values.append(level_values)
-        cand_tokens.append(child_tok.flatten())
+        cand_tokens.append(child_tok)
         cand_lp.append(child_lp)
-        cand_parent_feed.append(children_of + lo)
         if d == depth:
             break
         picked = torch.sort(level_values, descending=True, stable=True).indices[:k]  # ties -> earlier
-        feed_parents = children_of[picked] + lo
-        feed_cands.append(picked + (k + (d - 1) * k * k))
-        feed_values, tokens = level_values[picked], child_tok.flatten()[picked]
-    return _rerank(
-        root_token, torch.cat(cand_values), torch.cat(cand_tokens), torch.cat(cand_lp),
-        torch.cat(cand_parent_feed), torch.cat(feed_cands)[: depth * k], ancestors, total_tokens,
-    )
+        picks.append(picked)
+        feed_parents = plan.level_parent[d - 1][picked]
+        feed_values, tokens = level_values[picked].unsqueeze(1), child_tok[picked]
+    return _rerank(plan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens)
 
 
-def _rerank(root_token, values, tokens, log_probs, parent_feed, feed_cands, ancestors, total_tokens) -> Tree:
+def _rerank(plan: _DynamicPlan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens) -> Tree:
     """Keep the best total_tokens - 1 candidates (stable sort: ties to the earlier = shallower one) and
-    build the tree, root first, in candidate order (parents before children).
-
-    values, tokens, log_probs, parent_feed [C]: per candidate; feed_cands [F]: candidate id of each fed
-    input; ancestors [F + 1, F]: each fed input's fed ancestors and itself, an empty last row."""
-    device = values.device
-    keep = torch.sort(values, descending=True, stable=True).indices[: total_tokens - 1].sort().values  # [n - 1]
-    n = keep.numel() + 1
-    # node id of each fed input (0 = not in the tree; a kept node's ancestors are all kept), then 0 for
-    # the root, so that index -1 maps a root child's parent to node 0
-    node_of = torch.zeros(values.numel() + 1, dtype=torch.long, device=device)
-    node_of[keep] = torch.arange(1, n, device=device)
-    node_of_feed = node_of[torch.cat([feed_cands, feed_cands.new_full((1,), values.numel())])]  # [F + 1]
-    kept_parent = parent_feed[keep]  # [n - 1], -1 = the root
-    parents = torch.cat([kept_parent.new_full((1,), -1), node_of_feed[kept_parent]])
-    # node a attends to kept node b iff b is a (fed) ancestor of a's parent, b is a, or b is the root
-    mask = torch.zeros(n, n + 1, dtype=torch.bool, device=device)  # column n: inputs not in the tree
-    rows = ancestors[kept_parent]  # [n - 1, F] (the root's children: the empty row -1)
-    cols = torch.where(node_of_feed[:-1] > 0, node_of_feed[:-1], n)
-    mask[1:].index_copy_(1, cols, rows)  # last writer wins on column n: it is dropped below
-    mask = mask[:, :n]
-    mask.diagonal().fill_(True)
-    mask[:, 0] = True
-    depth = mask.sum(1) - 1
+    build the tree, root first, in candidate order (parents before children). Per-depth lists of
+    candidate values / tokens / log-probs and of the picked rows fed at each depth."""
+    values = torch.cat(cand_values)  # [C]
+    num_cands, num_fed = values.shape[0], ancestors.shape[1]
+    keep = torch.sort(values, descending=True, stable=True).indices[: total_tokens - 1].sort().values
+    root = keep.new_full((1,), num_cands)
+    node_ids = torch.cat([root, keep])  # [n]: candidate id of each node, the root (id C) first
+    node_of = plan.node_of.clone()  # candidate id -> node id (n = not in the tree)
+    node_of[keep] = plan.arange[1:]
+    feed_node = node_of[torch.cat([*picks, plan.tail]) + plan.feed_offsets]  # [F + 2]: node of each fed input
+    parent_feed = plan.parent_feed[node_ids]  # [n]
+    n = node_ids.shape[0]
+    # node a attends to b iff b is a (fed) ancestor of a's parent (a kept node's ancestors are all
+    # kept), b is a, or b is the root; column n collects fed inputs that are not in the tree
+    scattered = torch.zeros(n, n + 1, dtype=torch.bool, device=values.device)
+    scattered.index_copy_(1, feed_node[:num_fed], ancestors[parent_feed])
     return Tree(
-        tokens=torch.cat([tokens.new_full((1,), root_token), tokens[keep]]),
-        parents=parents,
-        depth=depth,
-        attention_mask=mask,
-        confidence=torch.cat([log_probs.new_ones(1), log_probs[keep].exp()]),
+        tokens=torch.cat([*cand_tokens, root.new_full((1,), root_token)])[node_ids],
+        parents=feed_node[parent_feed],
+        depth=plan.depth[node_ids],
+        attention_mask=scattered[:, :n] | plan.mask_base,
+        confidence=torch.cat([*cand_lp, values.new_zeros(1)])[node_ids].exp(),
     )

@@ -123,13 +123,13 @@ class LeanDraft:
         self,
         tokens: torch.Tensor,  # [m]
         features: torch.Tensor,  # [m, d]
-        positions: torch.Tensor,  # [m]
+        positions: torch.Tensor | slice,  # [m], or a slice of m positions or of one (for all m inputs)
         mask: torch.Tensor | None,  # bool [1, 1, m, kv] or None (causal)
         cache,
     ) -> torch.Tensor:
         """Predicted features [m, d]; keys/values written to `cache` after its committed slots."""
         x = F.linear(torch.cat([self.embed[tokens].to(features.dtype), features], dim=-1), self.fc, self.fc_bias)
-        cos, sin = self.cos[positions], self.sin[positions]  # [m, (heads + kv_heads) * hd]
+        cos, sin = self.cos[positions], self.sin[positions]  # [m or 1, (heads + kv_heads) * hd]
         for i, w in enumerate(self.layers):
             h = x if w.input_norm is None else self._norm(x, w.input_norm)
             x = x + self._attention(i, w, h, cos, sin, mask, cache)
