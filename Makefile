@@ -32,7 +32,7 @@ test-fast: setup ## Quick tier: unit tests only (skips `slow`)
 lint: setup ## ruff over the package, scripts and tests
 	$(PY) -m ruff check eagle_train scripts tests train.py
 
-demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~12 min)
+demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~8 min on 2 cores)
 	$(PY) -m eagle_train.pipeline experiment=tiny_cpu $(ARGS)
 
 data: setup ## Build the TinyStories conversations (data/generated/tinystories_sharegpt.jsonl)
