@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 ARGS ?=
+EXPERIMENT ?= tiny_cpu
 
 .DEFAULT_GOAL := help
 
@@ -32,8 +33,8 @@ test-fast: setup ## Quick tier: unit tests only (skips `slow`)
 lint: setup ## ruff over the package, scripts and tests
 	$(PY) -m ruff check eagle_train scripts tests train.py
 
-demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~8 min on 2 cores)
-	$(PY) -m eagle_train.pipeline experiment=tiny_cpu $(ARGS)
+demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~8 min on 2 cores; EXPERIMENT=... for GPU presets)
+	$(PY) -m eagle_train.pipeline experiment=$(EXPERIMENT) $(ARGS)
 
 data: setup ## Build the TinyStories conversations (data/generated/tinystories_sharegpt.jsonl)
 	$(PY) -m eagle_train.data.tinystories out=data/generated/tinystories_sharegpt.jsonl

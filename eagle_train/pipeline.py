@@ -30,6 +30,11 @@ from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
     """The argv of a stage: `python -m MODULE ARGS` or `LAUNCHER ARGS`, plus the extra overrides."""
     head = [sys.executable, "-m", spec.module] if spec.module else list(spec.launcher)
+    # A launcher installed beside this interpreter (the venv's `accelerate`) is used even when the venv's
+    # bin/ is not on PATH, as under `make demo`.
+    beside = Path(sys.executable).parent / head[0]
+    if not spec.module and beside.is_file():
+        head[0] = str(beside)
     return [*head, *spec.args, *extra]
 
 
