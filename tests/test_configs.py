@@ -52,7 +52,7 @@ def _combinations():
     for name in SCHEMAS:
         groups = _groups_of(name)
         for values in itertools.product(*(_options(g) for g in groups)):
-            yield name, [f"{g}={v}" for g, v in zip(groups, values)]
+            yield name, [f"{g}={v}" for g, v in zip(groups, values, strict=True)]
     # training recipes are opt-in (`+recipe=NAME`), on top of every target
     for recipe, target in itertools.product(_options("recipe"), _options("target")):
         yield "train", [f"target={target}", f"+recipe={recipe}"]
