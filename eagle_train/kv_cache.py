@@ -35,16 +35,21 @@ class StaticKVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.seq_len = 0
+        # per-layer views [batch, kv_heads, capacity, head_dim]: `update` runs once per layer per forward,
+        # and narrow() on a ready view is cheaper than indexing the 5-D buffer each time
+        self._layer_keys = [self.keys[i] for i in range(num_layers)]
+        self._layer_values = [self.values[i] for i in range(num_layers)]
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values [batch, kv_heads, q, head_dim] after the committed slots of
         `layer_idx` and return the layer's keys/values so far [batch, kv_heads, seq_len + q, head_dim]."""
-        start, end = self.seq_len, self.seq_len + key.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} slots needed, capacity {self.capacity}")
-        self.keys[layer_idx, :, :, start:end] = key
-        self.values[layer_idx, :, :, start:end] = value
-        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+        start, q = self.seq_len, key.shape[2]
+        if start + q > self.capacity:
+            raise ValueError(f"KV cache overflow: {start + q} slots needed, capacity {self.capacity}")
+        keys, values = self._layer_keys[layer_idx], self._layer_values[layer_idx]
+        keys.narrow(2, start, q).copy_(key)
+        values.narrow(2, start, q).copy_(value)
+        return keys.narrow(2, 0, start + q), values.narrow(2, 0, start + q)
 
     def advance(self, num_tokens: int) -> None:
         """Commit the `num_tokens` entries written by the last forward."""
