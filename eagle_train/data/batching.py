@@ -24,9 +24,20 @@ def bucket_batches(
     A sample longer than `max_tokens` gets a batch of its own. With `shuffle`, the order of the
     batches (never their content) is shuffled with `random.Random(seed)`.
     """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches = cut_batches(order, lengths, max_tokens, max_batch_size)
+    if shuffle:
+        random.Random(seed).shuffle(batches)
+    return batches
+
+
+def cut_batches(
+    order: Sequence[int], lengths: Sequence[int], max_tokens: int, max_batch_size: int | None = None
+) -> list[list[int]]:
+    """Cut `order` (sample indices) greedily, keeping its order, into batches whose padded size
+    (batch_size * longest length) stays within `max_tokens` and size within `max_batch_size`."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -40,8 +51,6 @@ def bucket_batches(
         longest = new_longest
     if current:
         batches.append(current)
-    if shuffle:
-        random.Random(seed).shuffle(batches)
     return batches
 
 

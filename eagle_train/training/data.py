@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle_train.data.batching import bucket_batches
+from eagle_train.data.batching import bucket_batches, cut_batches
 from eagle_train.data.sharegpt import is_eval_id
 from eagle_train.loss import shift_sequence
 
@@ -60,17 +60,7 @@ def plan_epoch(
     else:
         order = list(range(len(indices)))
         random.Random(seed).shuffle(order)
-        local, current, longest = [], [], 0
-        for j in order:
-            new_longest = max(longest, sub_lengths[j])
-            full = max_batch_size is not None and len(current) >= max_batch_size
-            if current and (new_longest * (len(current) + 1) > max_tokens or full):
-                local.append(current)
-                current, new_longest = [], sub_lengths[j]
-            current.append(j)
-            longest = new_longest
-        if current:
-            local.append(current)
+        local = cut_batches(order, sub_lengths, max_tokens, max_batch_size)
     return [[indices[j] for j in batch] for batch in local]
 
 
