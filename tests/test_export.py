@@ -98,18 +98,10 @@ def random_head(target, fc_bias: bool) -> DraftHead:
     return head.eval()
 
 
-@pytest.fixture
-def one_thread():
-    """Per-call overhead dominates a 260K model; one thread avoids contention on the shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # sglang and vllm without a bias copy the weights exactly (head outputs compared in tests/modeling/test_interop.py)
 @pytest.mark.parametrize("fmt,fc_bias", [("vllm", True), ("eagle", True)])
-def test_export_import_gives_identical_decoder_output(target, tmp_path, one_thread, fmt, fc_bias):
+def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_bias):
     """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with
     the original head (tokens and per-round acceptance), for every layout."""
     from eagle_train.config.decode import DecodeConfig

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
 import eagle_train.regenerate as regen
@@ -14,15 +13,6 @@ from eagle_train.config.data import DataConfig
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from tests.conftest import DATA
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A 260K-parameter model on 2 shared cores: one intra-op thread is much faster (and less noisy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def write_prompts(path, n: int = 50, turns: int = 1) -> list[str]:

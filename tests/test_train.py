@@ -24,14 +24,6 @@ from eagle_train.training.optim import lr_at
 STORIES260K = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices on a shared 2-core machine: one intra-op thread is ~7x faster under load."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory) -> Path:

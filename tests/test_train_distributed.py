@@ -71,14 +71,9 @@ def launch(launcher: list[str], store: Path, out: Path, env: dict | None = None)
 def single(store, tmp_path_factory) -> Path:
     """The reference: ONE process, grad_accum=2 (same global batch as 2 processes x 1), in this process."""
     out = tmp_path_factory.mktemp("single")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[*ARGS, f"features={store}", f"out_dir={out}", "grad_accum=2"])
-        run(to_schema(cfg, TrainConfig))
-    finally:
-        torch.set_num_threads(previous)
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*ARGS, f"features={store}", f"out_dir={out}", "grad_accum=2"])
+    run(to_schema(cfg, TrainConfig))
     return out
 
 

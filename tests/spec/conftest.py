@@ -57,15 +57,6 @@ class ScriptedDraft:
         return torch.stack([path_log_probs(p, self.vocab, self.scale) for p in new_paths])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Decoding runs many tiny ops: one thread is faster than two on a shared 2-core CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def scripted_draft():
     return ScriptedDraft
@@ -85,12 +76,7 @@ def random_head(target):
 def train_head(target, steps: int = 250, seq_len: int = 128, batch: int = 8, lr: float = 3e-3, seed: int = 0):
     """A small head trained on the target's own features of TinyStories text (SmoothL1 + soft CE)."""
     torch.manual_seed(seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is faster, and kinder to a shared CPU
-    try:
-        return _train(target, steps, seq_len, batch, lr)
-    finally:
-        torch.set_num_threads(threads)
+    return _train(target, steps, seq_len, batch, lr)
 
 
 def _train(target, steps, seq_len, batch, lr):
