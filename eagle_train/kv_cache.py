@@ -1,7 +1,7 @@
 """A preallocated key/value cache shared by the target and the draft head at decode time.
 
-One buffer per keys and values, `[layers, batch, kv_heads, capacity, head_dim]`, allocated once per
-generation. `seq_len` is the number of committed slots. A forward writes its `q` new entries at
+One buffer `kv` `[2, layers, batch, kv_heads, capacity, head_dim]` (keys = kv[0], values = kv[1]),
+allocated once per generation. `seq_len` is the number of committed slots. A forward writes its `q` new entries at
 `[seq_len, seq_len + q)` in every layer (`update`) and attends over `[0, seq_len + q)`; the caller then
 commits them (`advance`), drops them (`crop`) or keeps a subset (`compact`, used after tree
 verification to keep the accepted path). Nothing is allocated per step.
@@ -30,15 +30,16 @@ class StaticKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # one buffer for keys and values: a compaction is one gather, a fused writer one copy (`update_kv`)
+        self.kv = torch.zeros((2, num_layers, batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        self.keys, self.values = self.kv[0], self.kv[1]  # [layers, batch, kv_heads, capacity, head_dim]
         self.capacity = capacity
         self.seq_len = 0
-        # per-layer views [batch, kv_heads, capacity, head_dim]: `update` runs once per layer per forward,
-        # and narrow() on a ready view is cheaper than indexing the 5-D buffer each time
-        self._layer_keys = [self.keys[i] for i in range(num_layers)]
+        # per-layer views: `update` runs once per layer per forward, and narrow() on a ready view is
+        # cheaper than indexing the 6-D buffer each time
+        self._layer_keys = [self.keys[i] for i in range(num_layers)]  # [batch, kv_heads, capacity, head_dim]
         self._layer_values = [self.values[i] for i in range(num_layers)]
+        self._layer_kv = [self.kv[:, i] for i in range(num_layers)]  # [2, batch, kv_heads, capacity, head_dim]
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values [batch, kv_heads, q, head_dim] after the committed slots of
@@ -50,6 +51,15 @@ class StaticKVCache:
         keys.narrow(2, start, q).copy_(key)
         values.narrow(2, start, q).copy_(value)
         return keys.narrow(2, 0, start + q), values.narrow(2, 0, start + q)
+
+    def update_kv(self, layer_idx: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for keys and values stacked as kv [2, batch, kv_heads, q, head_dim] (may be a strided
+        view): one copy instead of two."""
+        start, q = self.seq_len, kv.shape[3]
+        if start + q > self.capacity:
+            raise ValueError(f"KV cache overflow: {start + q} slots needed, capacity {self.capacity}")
+        self._layer_kv[layer_idx].narrow(3, start, q).copy_(kv)
+        return self._layer_keys[layer_idx].narrow(2, 0, start + q), self._layer_values[layer_idx].narrow(2, 0, start + q)
 
     def advance(self, num_tokens: int) -> None:
         """Commit the `num_tokens` entries written by the last forward."""
@@ -67,10 +77,9 @@ class StaticKVCache:
         """Keep the slots `base + keep` (ascending offsets, e.g. an accepted tree path) as slots
         `base, base + 1, ...` and make them the committed end of the cache."""
         n = int(keep.numel())
-        src = keep.to(device=self.keys.device, dtype=torch.long) + base
         # Gather first (index_select copies), so overlapping source/destination slots are safe.
-        self.keys[:, :, :, base : base + n] = self.keys.index_select(3, src)
-        self.values[:, :, :, base : base + n] = self.values.index_select(3, src)
+        gathered = self.kv.narrow(4, base, self.capacity - base).index_select(4, keep.to(self.kv.device))
+        self.kv[:, :, :, :, base : base + n] = gathered
         self.seq_len = base + n
 
     def reset(self) -> None:

@@ -25,6 +25,23 @@ def test_update_advance_crop():
     assert k[0, 0, :, 0].tolist() == [0, 1, 20]
 
 
+def test_update_kv_equals_update():
+    """The fused writer (keys and values stacked, from a strided view) writes what `update` writes."""
+    caches = [StaticKVCache(2, 2, 3, 10) for _ in range(2)]
+    for step, (q, layer) in enumerate([(4, 0), (4, 1), (2, 1)]):
+        k, v = entries(q, 10 * step), entries(q, 100 + 10 * step)
+        kv = torch.stack([k, v]).transpose(3, 4).contiguous().transpose(3, 4)  # a non-contiguous layout
+        assert not kv.is_contiguous()
+        want = caches[0].update(layer, k, v)
+        got = caches[1].update_kv(layer, kv)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
+        if layer == 1:
+            for c in caches:
+                c.advance(q)
+    assert torch.equal(caches[0].kv, caches[1].kv) and caches[1].seq_len == 6
+
+
 def test_compact_keeps_accepted_slots_in_order():
     cache = StaticKVCache(1, 2, 3, 12)
     cache.update(0, entries(3, 0), entries(3, 0))

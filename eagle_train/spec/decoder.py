@@ -105,7 +105,7 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids) -> GenerationResult:
         """Generate a continuation of one prompt (token ids)."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.device).flatten()
-        max_len = self.target.max_len
+        self.max_len = max_len = self.target.max_len  # a property with config lookups: read once
         if not 0 < prompt.numel() < max_len:
             raise ValueError(f"prompt of {prompt.numel()} tokens: must be 1..{max_len - 1} (context limit)")
         stats = GenerationStats(prompt_tokens=prompt.numel())
@@ -165,22 +165,26 @@ class SpeculativeDecoder:
         root_logp = drafter.catch_up(pending_tokens, features)
         stats.time_prefill = time.perf_counter() - t0
         watch = Stopwatch(stats, self._sync)
-        while True:
-            with watch("time_draft"):
-                tree = self._draft(root, root_logp, drafter)
-            if tree is None:  # no room left for a draft token: finish plainly
-                self._run_ar(root, out, stats)
-                return
-            with watch("time_verify"):
-                path, bonus, hidden = self._verify(tree, stats)
-            tokens = tree.tokens.tolist()
-            emitted = [tokens[i] for i in path[1:]] + [bonus]
-            self._record(tree, path, stats)
-            if out.extend(emitted):
-                return
-            root = bonus
-            with watch("time_draft"):
-                root_logp = drafter.catch_up(torch.tensor(emitted, device=self.device), hidden[path])
+        # per round: node depths, node confidences, accepted path (statistics are gathered once, at the end;
+        # not the trees: their draft distributions can be large)
+        rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
+        try:
+            while True:
+                with watch("time_draft"):
+                    tree = self._draft(root, root_logp, drafter)
+                if tree is None:  # no room left for a draft token: finish plainly
+                    self._run_ar(root, out, stats)
+                    return
+                with watch("time_verify"):
+                    path, emitted, hidden = self._verify(tree, stats)
+                rounds.append((tree.depth, tree.confidence, path))
+                if out.extend(emitted):
+                    return
+                root = emitted[-1]  # the bonus token
+                with watch("time_draft"):
+                    root_logp = drafter.catch_up(torch.tensor(emitted, device=self.device), hidden)
+        finally:
+            _record_rounds(rounds, stats)
 
     def _new_drafter(self, stats: GenerationStats) -> Drafter:
         """The decoder's drafter, reset for a generation with the current capacity (built on first use:
@@ -206,7 +210,7 @@ class SpeculativeDecoder:
 
     def _draft(self, root: int, root_logp: torch.Tensor, drafter: Drafter) -> Tree | None:
         """Draft this round's tree, no deeper than the context limit allows."""
-        room = self.target.max_len - 1 - self.cache.seq_len  # deepest node position must be < max_len
+        room = self.max_len - 1 - self.cache.seq_len  # deepest node position must be < max_len
         if room < 1:
             return None
         cfg = self.cfg
@@ -225,9 +229,10 @@ class SpeculativeDecoder:
             self._plans[max_depth] = plan_static(self.shape.truncated(max_depth), self.device)
         return self._plans[max_depth]
 
-    def _verify(self, tree: Tree, stats: GenerationStats) -> tuple[list[int], int, torch.Tensor]:
+    def _verify(self, tree: Tree, stats: GenerationStats) -> tuple[list[int], list[int], torch.Tensor]:
         """One target forward over the tree, acceptance, and cache compaction to the accepted path.
-        Returns (path node ids, bonus token, target features of the tree nodes [n, hidden])."""
+        Returns (path node ids, emitted tokens: the accepted draft tokens and the bonus token, target
+        features of the path's nodes [len(path), hidden])."""
         n, length = tree.size, self.cache.seq_len
         region = self.mask[:n, length : length + n]
         region.copy_(tree.attention_mask)
@@ -239,22 +244,14 @@ class SpeculativeDecoder:
             path, bonus = accept_sampling(tree, probs, self.generator)
         else:
             path, bonus = accept_greedy(tree, logits)
+        tokens = tree.token_list
+        emitted = [tokens[i] for i in path[1:]] + [bonus]
         if path[-1] == len(path) - 1:  # the path is the first nodes (e.g. a chain): already in place
             self.cache.advance(len(path))
-        else:
-            self.cache.compact(length, torch.tensor(path, device=self.device))
-        return path, bonus, hidden
-
-    @staticmethod
-    def _record(tree: Tree, path: list[int], stats: GenerationStats) -> None:
-        accepted = set(path)
-        stats.rounds += 1
-        stats.accepted_per_round.append(len(path) - 1)
-        stats.tree_depth_per_round.append(tree.max_depth)
-        stats.tree_size_per_round.append(tree.size)
-        stats.node_depth.extend(tree.depth[1:].tolist())
-        stats.node_confidence.extend(tree.confidence[1:].tolist() if tree.confidence is not None else [])
-        stats.node_accepted.extend(i in accepted for i in range(1, tree.size))
+            return path, emitted, hidden[: len(path)]
+        keep = torch.tensor(path, device=self.device)
+        self.cache.compact(length, keep)
+        return path, emitted, hidden.index_select(0, keep)
 
     # ---- Hugging Face generate -----------------------------------------------------------------------
 
@@ -271,3 +268,31 @@ class SpeculativeDecoder:
             pad_token_id=pad if pad is not None else self.target.stop_token_ids[0], **kwargs,
         )
         out.extend(ids[0, prompt.numel() :].tolist())
+
+
+def _record_rounds(rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]], stats: GenerationStats) -> None:
+    """Per-round and per-node statistics of a generation's rounds (node depths [n], node confidences [n]
+    or None, accepted path), gathered with a few tensor ops for the whole generation."""
+    if not rounds:
+        return
+    sizes = [depth.shape[0] for depth, _, _ in rounds]
+    depth = torch.cat([d for d, _, _ in rounds]).cpu()
+    accepted = torch.zeros(depth.shape[0], dtype=torch.bool)
+    picked, first = [], 0
+    for (_, _, path), size in zip(rounds, sizes, strict=True):
+        picked.extend(first + i for i in path[1:])
+        first += size
+    accepted[picked] = True
+    starts = torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)
+    draft = torch.ones_like(accepted)  # every node but the roots
+    draft[starts] = False
+    round_of = torch.repeat_interleave(torch.arange(len(rounds)), torch.tensor(sizes))
+    max_depth = torch.zeros(len(rounds), dtype=depth.dtype).scatter_reduce_(0, round_of, depth, "amax")
+    stats.rounds += len(rounds)
+    stats.accepted_per_round.extend(len(path) - 1 for _, _, path in rounds)
+    stats.tree_depth_per_round.extend(max_depth.tolist())
+    stats.tree_size_per_round.extend(sizes)
+    stats.node_depth.extend(depth[draft].tolist())
+    stats.node_accepted.extend(accepted[draft].tolist())
+    if all(conf is not None for _, conf, _ in rounds):
+        stats.node_confidence.extend(torch.cat([c for _, c, _ in rounds]).cpu()[draft].tolist())

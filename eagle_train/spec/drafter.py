@@ -21,7 +21,8 @@ from eagle_train.spec.stats import GenerationStats
 
 
 class Drafter:
-    """Runs a draft head (see `eagle_train.modeling.draft.DraftHead`) with a preallocated cache."""
+    """Runs a draft head (see `eagle_train.modeling.draft.DraftHead`) with a preallocated cache. Its calls
+    run under the caller's `torch.inference_mode()` (the decoder's): no autograd context of their own."""
 
     def __init__(self, head, capacity: int, max_tree_inputs: int, stats: GenerationStats, lean: bool = True):
         config = head.config
@@ -31,8 +32,9 @@ class Drafter:
         heads = int(config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        # Row i: the output of tree input i; the last row (index -1, a root parent): the root's draft state.
-        self.hidden = torch.zeros(max_tree_inputs + 1, int(config.hidden_size), dtype=self.dtype, device=self.device)
+        # Row i: the output of tree input i (the root's draft state is `self.root`, set by `catch_up`).
+        self.hidden = torch.zeros(max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device)
+        self.root = self.hidden[:1]
         # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
         self.lean = lean_draft.LeanDraft(head, 0) if lean and lean_draft.supports(head) else None
         self.capacity = -1
@@ -58,20 +60,20 @@ class Drafter:
         if self.lean is not None:
             self.lean.extend_positions(total + 1)
 
-    def _forward(self, tokens, features, positions: slice, mask) -> torch.Tensor:
-        """positions: a slice of positions, one per input or one for all inputs."""
+    def _forward(self, tokens, features, positions: slice, mask, last_only: bool = False):
+        """positions: a slice of positions, one per input or one for all inputs. Returns the predicted
+        features [m, hidden] and the draft log-probs [m, vocab] (of the last input only: [1, vocab])."""
         t0 = time.perf_counter()
         if self.lean is not None:
             hidden = self.lean.forward(tokens, features, positions, mask, self.cache)
-            logp = self.lean.log_probs(hidden)
+            logp = self.lean.log_probs(hidden[-1:] if last_only else hidden)
         else:
             pos = self.positions[positions].expand(tokens.shape[0]).unsqueeze(0)
             hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), pos, mask, self.cache)[0]
-            logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
+            logp = torch.log_softmax(self.head.logits(hidden[-1:] if last_only else hidden).float(), dim=-1)
         self.stats.time_draft_forward += time.perf_counter() - t0
         return hidden, logp
 
-    @torch.no_grad()
     def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Commit pairs (features[i], tokens[i]) at the next positions; tokens [m], features [m, hidden]
         (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1])."""
@@ -80,18 +82,18 @@ class Drafter:
             self.mask[:, self.committed :].fill_(True)
         m = tokens.shape[0]
         positions = slice(self.committed, self.committed + m)
-        hidden, logp = self._forward(tokens, features.to(self.dtype), positions, None)  # None = causal
+        hidden, logp = self._forward(tokens, features.to(self.dtype), positions, None, last_only=True)  # None = causal
         self.cache.advance(m)
         self.committed += m
-        self.hidden[-1] = hidden[-1]
+        self.root = hidden[-1:]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
         self.fed = 0
-        return logp[-1]
+        return logp[0]
 
-    @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int) -> torch.Tensor:
         """The tree draft step (see `spec.expand`): inputs at `depth` below the root."""
         m, base = tokens.shape[0], self.committed
-        features = self.hidden[parents]  # [m, hidden]: each parent's draft state (-1: the root's)
+        # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)
+        features = self.root.expand(m, -1) if depth == 1 else self.hidden[parents]
         position = base - 1 + depth  # the pair (parent's draft state, token at position base + depth)
         positions = slice(position, position + 1)  # the same for all m inputs
         kv_end = base + self.fed + m

@@ -121,6 +121,8 @@ class _DynamicPlan:
     node_of: torch.Tensor  # [C + 2]: template of candidate -> node id (n = not kept; C: 0, C + 1: -1)
     mask_base: torch.Tensor  # [n, n] bool: diagonal and root column
     arange: torch.Tensor  # [n]: 0..n-1
+    root_id: torch.Tensor  # [1]: C, the root's candidate id
+    zero: torch.Tensor  # [1]: 0.0, the root's log-confidence
 
 
 @functools.lru_cache(maxsize=32)
@@ -144,6 +146,7 @@ def _dynamic_plan(depth: int, k: int, total_tokens: int, device: torch.device) -
         level_parent, parent_feed, depth_of.to(device), torch.tensor(offsets, device=device),
         torch.arange(k, device=device), torch.full((k,), -1, dtype=torch.long, device=device),
         torch.zeros(2, dtype=torch.long, device=device), node_of, mask_base, torch.arange(n, device=device),
+        torch.full((1,), num_cands, dtype=torch.long, device=device), torch.zeros(1, device=device),
     )
 
 
@@ -186,10 +189,11 @@ def expand_dynamic(
         cand_lp.append(child_lp)
         if d == depth:
             break
-        picked = torch.sort(level_values, descending=True, stable=True).indices[:k]  # ties -> earlier
+        best, picked = torch.sort(level_values, descending=True, stable=True)  # ties -> earlier
+        picked = picked[:k]
         picks.append(picked)
         feed_parents = plan.level_parent[d - 1][picked]
-        feed_values, tokens = level_values[picked].unsqueeze(1), child_tok[picked]
+        feed_values, tokens = best[:k].unsqueeze(1), child_tok[picked]
     return _rerank(plan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens)
 
 
@@ -198,9 +202,9 @@ def _rerank(plan: _DynamicPlan, root_token, cand_values, cand_tokens, cand_lp, p
     build the tree, root first, in candidate order (parents before children). Per-depth lists of
     candidate values / tokens / log-probs and of the picked rows fed at each depth."""
     values = torch.cat(cand_values)  # [C]
-    num_cands, num_fed = values.shape[0], ancestors.shape[1]
+    num_fed = ancestors.shape[1]
     keep = torch.sort(values, descending=True, stable=True).indices[: total_tokens - 1].sort().values
-    root = keep.new_full((1,), num_cands)
+    root = plan.root_id
     node_ids = torch.cat([root, keep])  # [n]: candidate id of each node, the root (id C) first
     node_of = plan.node_of.clone()  # candidate id -> node id (n = not in the tree)
     node_of[keep] = plan.arange[1:]
@@ -216,5 +220,5 @@ def _rerank(plan: _DynamicPlan, root_token, cand_values, cand_tokens, cand_lp, p
         parents=feed_node[parent_feed],
         depth=plan.depth[node_ids],
         attention_mask=scattered[:, :n] | plan.mask_base,
-        confidence=torch.cat([*cand_lp, values.new_zeros(1)])[node_ids].exp(),
+        confidence=torch.cat([*cand_lp, plan.zero])[node_ids].exp(),
     )

@@ -2,8 +2,10 @@
 
 The head's `forward` (eagle_train.modeling.draft) goes through nn.Module calls, a RoPE module and
 per-call mask building; at decode time on a CPU that per-call overhead is most of a draft step. This is
-the same computation as a few fused tensor ops: q/k/v and gate/up weights concatenated once, the RoPE
-table precomputed for every position, no module calls. Used by `spec.drafter.Drafter` when the head is a
+the same computation as a few fused tensor ops: one projection gives q, k, v and rotate_half(q, k) (RoPE
+is then one multiply-add against a table precomputed for every position), keys and values are written
+to the cache in one copy, gate/up is one projection, the residual adds ride in the output projections'
+addmm, and there are no module calls. Used by `spec.drafter.Drafter` when the head is a
 Llama-style head with SiLU MLPs (the EAGLE head); `tests/spec/test_lean_draft.py` checks it against
 `DraftHead.forward`.
 """
@@ -22,15 +24,15 @@ _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 @dataclass
 class _LayerWeights:
     input_norm: torch.Tensor | None  # [d] (layer 0: none, the identity)
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, d]
-    qkv_bias: torch.Tensor | None
-    qk_rot: torch.Tensor  # [(heads + kv_heads) * head_dim, d]: rotate_half of q and k, folded into weights
-    qk_rot_bias: torch.Tensor | None
-    o: torch.Tensor  # [d, heads * head_dim]
+    # [2 * (heads + 2 * kv_heads) * head_dim, d]: q, k, v, then rotate_half of q and k folded into the
+    # weights and zero rows for v, so one projection gives both halves of RoPE (see `_attention`)
+    proj: torch.Tensor
+    proj_bias: torch.Tensor | None
+    o_t: torch.Tensor  # [heads * head_dim, d]: o_proj's weight transposed (a view), for addmm
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [d]
     gate_up: torch.Tensor  # [2 * intermediate, d]
-    down: torch.Tensor  # [d, intermediate]
+    down_t: torch.Tensor  # [intermediate, d]: down_proj's weight transposed (a view)
 
 
 def supports(head) -> bool:
@@ -48,20 +50,23 @@ def _rotate_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def _layer_weights(layer, head_dim: int) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     norm = getattr(layer, "input_layernorm", None)
-    qk = torch.cat([attn.q_proj.weight, attn.k_proj.weight])
+    proj = torch.cat([q.weight, k.weight, v.weight, _rotate_rows(torch.cat([q.weight, k.weight]), head_dim),
+                      torch.zeros_like(v.weight)])
+    bias = None
+    if q.bias is not None:
+        bias = torch.cat([q.bias, k.bias, v.bias, _rotate_rows(torch.cat([q.bias, k.bias]), head_dim),
+                          torch.zeros_like(v.bias)])
     return _LayerWeights(
         input_norm=None if norm is None else norm.weight,
-        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-        qkv_bias=None if biases[0] is None else torch.cat(biases),
-        qk_rot=_rotate_rows(qk, head_dim),
-        qk_rot_bias=None if biases[0] is None else _rotate_rows(torch.cat(biases[:2]), head_dim),
-        o=attn.o_proj.weight,
+        proj=proj,
+        proj_bias=bias,
+        o_t=attn.o_proj.weight.t(),
         o_bias=attn.o_proj.bias,
         post_norm=layer.post_attention_layernorm.weight,
         gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        down=mlp.down_proj.weight,
+        down_t=mlp.down_proj.weight.t(),
     )
 
 
@@ -89,9 +94,12 @@ class LeanDraft:
         weight = self.fc
         positions = torch.arange(max_positions, device=weight.device).unsqueeze(0)
         cos, sin = self.rotary_emb(torch.zeros(1, 1, 1, dtype=weight.dtype, device=weight.device), positions)
-        # [max_positions, (heads + kv_heads) * head_dim]: the RoPE table tiled over the q and k heads
-        tiles = self.heads + self.kv_heads
-        self.cos, self.sin = cos[0].repeat(1, tiles), sin[0].repeat(1, tiles)
+        # [max_positions, (heads + 2 * kv_heads) * head_dim]: the RoPE table tiled over the q and k heads,
+        # then cos 1 / sin 0 over v (v is not rotated: v * 1 + 0 * 0 is v exactly)
+        tiles, v_width = self.heads + self.kv_heads, self.kv_heads * self.head_dim
+        ones = cos.new_ones(max_positions, v_width)
+        self.cos = torch.cat([cos[0].repeat(1, tiles), ones], dim=-1)
+        self.sin = torch.cat([sin[0].repeat(1, tiles), torch.zeros_like(ones)], dim=-1)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if _RMS_NORM and x.dtype == torch.float32:
@@ -100,14 +108,15 @@ class LeanDraft:
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _attention(self, i, w: _LayerWeights, h, cos, sin, mask, cache) -> torch.Tensor:
+        """The attention heads' output [m, heads * head_dim], before the output projection."""
         m, hd = h.shape[0], self.head_dim
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
-        n_qk = (self.heads + self.kv_heads) * hd
-        qk = torch.addcmul(qkv[:, :n_qk] * cos, F.linear(h, w.qk_rot, w.qk_rot_bias), sin)  # RoPE
-        q = qk[:, : self.heads * hd].view(m, self.heads, hd).transpose(0, 1)  # [heads, m, hd]
-        k = qk[:, self.heads * hd :].view(m, self.kv_heads, hd).transpose(0, 1)
-        v = qkv[:, n_qk:].view(m, self.kv_heads, hd).transpose(0, 1)
-        k_all, v_all = cache.update(i, k.unsqueeze(0), v.unsqueeze(0))  # [1, kv_heads, kv, hd]
+        both = F.linear(h, w.proj, w.proj_bias)  # [m, 2 * width]: q k v | rotate_half(q k), 0
+        width = both.shape[-1] // 2
+        qkv = torch.addcmul(both[:, :width] * cos, both[:, width:], sin)  # RoPE on q and k; v unchanged
+        n_q = self.heads * hd
+        q = qkv[:, :n_q].view(m, self.heads, hd).transpose(0, 1)  # [heads, m, hd]
+        kv = qkv[:, n_q:].view(m, 2, 1, self.kv_heads, hd).permute(1, 2, 3, 0, 4)  # [2, 1, kv_heads, m, hd]
+        k_all, v_all = cache.update_kv(i, kv)  # [1, kv_heads, kv, hd] each
         if mask is None and m > 1:  # causal after the cached prefix
             kv = k_all.shape[2]
             mask = torch.ones(m, kv, dtype=torch.bool, device=h.device).tril(kv - m)
@@ -116,9 +125,8 @@ class LeanDraft:
             k_all, v_all = k_all.repeat_interleave(groups, 1), v_all.repeat_interleave(groups, 1)
         extra = {"enable_gqa": True} if self.heads != self.kv_heads and _GQA_KWARG else {}
         out = F.scaled_dot_product_attention(q.unsqueeze(0), k_all, v_all, attn_mask=mask, **extra)
-        return F.linear(out[0].transpose(0, 1).reshape(m, -1), w.o, w.o_bias)
+        return out[0].transpose(0, 1).reshape(m, -1)
 
-    @torch.no_grad()
     def forward(
         self,
         tokens: torch.Tensor,  # [m]
@@ -127,14 +135,18 @@ class LeanDraft:
         mask: torch.Tensor | None,  # bool [1, 1, m, kv] or None (causal)
         cache,
     ) -> torch.Tensor:
-        """Predicted features [m, d]; keys/values written to `cache` after its committed slots."""
-        x = F.linear(torch.cat([self.embed[tokens].to(features.dtype), features], dim=-1), self.fc, self.fc_bias)
-        cos, sin = self.cos[positions], self.sin[positions]  # [m or 1, (heads + kv_heads) * hd]
+        """Predicted features [m, d]; keys/values written to `cache` after its committed slots. No autograd
+        context of its own (a no_grad entry costs ~2 us per call): call it under no_grad/inference_mode."""
+        x = F.linear(torch.cat([F.embedding(tokens, self.embed).to(features.dtype), features], dim=-1), self.fc, self.fc_bias)
+        cos, sin = self.cos[positions], self.sin[positions]  # [m or 1, (heads + 2 * kv_heads) * hd]
         for i, w in enumerate(self.layers):
             h = x if w.input_norm is None else self._norm(x, w.input_norm)
-            x = x + self._attention(i, w, h, cos, sin, mask, cache)
+            # residual adds fused into the output projections: x + a @ W.T as one addmm
+            x = torch.addmm(x, self._attention(i, w, h, cos, sin, mask, cache), w.o_t)
+            if w.o_bias is not None:
+                x = x + w.o_bias
             gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            x = torch.addmm(x, F.silu(gate) * up, w.down_t)
         return x
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:

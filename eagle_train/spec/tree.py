@@ -28,7 +28,7 @@ import torch
 @dataclass
 class Tree:
     """A draft tree ready for one verification forward (see the module docstring for the fields).
-    `children`, `retrieve_indices` and `max_depth` are derived from `parents` / `depth` on first use
+    `children`, `retrieve_indices`, `max_depth` and `token_list` are derived from `parents` / `depth` on first use
     (the greedy decoding loop never needs the first two)."""
 
     tokens: torch.Tensor
@@ -41,6 +41,11 @@ class Tree:
     @property
     def size(self) -> int:
         return int(self.tokens.numel())
+
+    @functools.cached_property
+    def token_list(self) -> list[int]:
+        """`tokens` as a Python list (read once per round by verification and the decoder)."""
+        return self.tokens.tolist()
 
     @functools.cached_property
     def max_depth(self) -> int:

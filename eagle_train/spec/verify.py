@@ -40,7 +40,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
 def accept_greedy(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
     """Longest accepted path (node ids, root first) and the bonus token, for target logits [n, vocab]."""
     best = target_logits.argmax(dim=-1).tolist()
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     path, node = [0], 0
     while True:
         for child in tree.children[node]:
@@ -61,7 +61,7 @@ def accept_sampling(
 ) -> tuple[list[int], int]:
     """Recursive rejection sampling down the tree. target_probs [n, vocab]: the target's processed
     distribution at each node. Returns (accepted path of node ids, root first; bonus token)."""
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     device = target_probs.device
     path, node = [0], 0
     while True:

@@ -13,11 +13,11 @@ import torch
 from scipy.stats import chisquare
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.spec.decoder import SpeculativeDecoder
+from eagle_train.spec.decoder import SpeculativeDecoder, _record_rounds
 from eagle_train.spec.drafter import Drafter
 from eagle_train.spec.expand import expand_static, plan_static
 from eagle_train.spec.stats import GenerationStats
-from eagle_train.spec.tree import shape_from_paths
+from eagle_train.spec.tree import build_tree, shape_from_paths
 from eagle_train.spec.verify import accept_sampling, process_logits
 from tests.conftest import DATA
 
@@ -108,6 +108,32 @@ def test_each_round_starts_with_the_targets_own_token(target, trained_head, temp
     assert all(0.0 <= r <= 1.0 for r in rates) and len(res.stats.node_confidence) == len(res.stats.node_accepted)
 
 
+def test_round_statistics_per_node():
+    """The per-round and per-node statistics gathered once per generation equal a round-by-round walk
+    (roots excluded, accepted flags on the path's nodes, deepest node per round)."""
+    trees = [
+        build_tree(torch.arange(5), [-1, 0, 0, 1, 3]),
+        build_tree(torch.arange(3), [-1, 0, 1]),
+        build_tree(torch.arange(4), [-1, 0, 0, 2]),
+    ]
+    for i, tree in enumerate(trees):
+        tree.confidence = torch.linspace(0.1, 0.9, tree.size) + i
+    paths = [[0, 1, 3], [0], [0, 2, 3]]
+    stats = GenerationStats()
+    _record_rounds([(t.depth, t.confidence, p) for t, p in zip(trees, paths, strict=True)], stats)
+    assert stats.rounds == 3 and stats.accepted_per_round == [2, 0, 2]
+    assert stats.tree_size_per_round == [5, 3, 4] and stats.tree_depth_per_round == [3, 2, 2]
+    depth, accepted, confidence = [], [], []
+    for tree, path in zip(trees, paths, strict=True):
+        depth += tree.depth[1:].tolist()
+        accepted += [i in path for i in range(1, tree.size)]
+        confidence += tree.confidence[1:].tolist()
+    assert stats.node_depth == depth == [1, 1, 2, 3, 1, 2, 1, 1, 2]
+    assert stats.node_accepted == accepted
+    assert stats.node_confidence == pytest.approx(confidence)
+
+
+@torch.inference_mode()  # as in the decoder: the drafter has no autograd context of its own
 def joint_counts(target, head, sample_children: bool, runs: int, seed: int):
     """Counts of the first two tokens after a fixed root on a real prompt, emitted by one verification
     round (then continued from the target), with top-k 6 sampling at temperature 1."""

@@ -11,14 +11,20 @@ from eagle_train.modeling.draft import DraftHead
 from eagle_train.spec.lean_draft import LeanDraft, supports
 
 
-@pytest.mark.parametrize("num_layers, kv_heads, fc_bias", [(1, 2, True), (2, 4, False)])
-def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias):
+@pytest.mark.parametrize("num_layers, kv_heads, fc_bias, attention_bias", [(1, 2, True, False), (2, 4, False, False),
+                                                                         (1, 2, False, True)])
+@torch.no_grad()
+def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias, attention_bias):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_attention_heads=4,
-                      num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128)
+                      num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128,
+                      attention_bias=attention_bias)
     head = DraftHead.from_target(cfg, num_layers=num_layers, fc_bias=fc_bias).eval()
-    for layer in head.layers:  # non-trivial norms
+    for layer in head.layers:  # non-trivial norms and biases (the vLLM export folds an fc bias into them)
         layer.post_attention_layernorm.weight.data.uniform_(0.5, 1.5)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+            if proj.bias is not None:
+                proj.bias.data.uniform_(-0.5, 0.5)
     assert supports(head)
     lean = LeanDraft(head, 128)
     caches = [StaticKVCache(num_layers, kv_heads, 8, 64) for _ in range(2)]
