@@ -34,6 +34,7 @@ import datasets
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.data import DataConfig
+from eagle_train.data.jsonl import jsonl_records
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -139,16 +140,8 @@ def iter_records(path: Path) -> Iterator[tuple[int, str, Any]]:
         for index, record in enumerate(document if isinstance(document, list) else [document]):
             yield index, f"record {index}", record
         return
-    index = 0
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: malformed JSON on line {line_no} (record {index}): {e.msg}") from None
+    for index, line_no, record in jsonl_records(path, text.splitlines(), DataError):
         yield index, f"record {index} (line {line_no})", record
-        index += 1
 
 
 def turn_content(value: Any) -> str | None:

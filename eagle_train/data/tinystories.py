@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from eagle_train.config.base import REPO_ROOT
+from eagle_train.data.jsonl import jsonl_records
 
 TINYSTORIES = (REPO_ROOT / ".." / "shared" / "data" / "tinystories").resolve()
 DEFAULT_SRC = TINYSTORIES / "tinystories_val_head.txt"
@@ -46,13 +47,7 @@ def load_held_out(path: str | Path | None) -> tuple[set[str], set[str]]:
     if path is None:
         return set(), set()
     paragraphs, prompts = set(), set()
-    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON on line {line_no}: {e.msg}") from None
+    for _, _, record in jsonl_records(path, Path(path).read_text(encoding="utf-8").splitlines()):
         paragraphs.add(" ".join(str(record.get("paragraph", "")).split()))
         prompts.add(" ".join(str(record.get("prompt", "")).split()))
     return paragraphs - {""}, prompts - {""}

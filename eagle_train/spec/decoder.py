@@ -272,27 +272,20 @@ class SpeculativeDecoder:
 
 def _record_rounds(rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]], stats: GenerationStats) -> None:
     """Per-round and per-node statistics of a generation's rounds (node depths [n], node confidences [n]
-    or None, accepted path), gathered with a few tensor ops for the whole generation."""
+    or None, accepted path): the tensors are read once for the whole generation, not once per round."""
     if not rounds:
         return
-    sizes = [depth.shape[0] for depth, _, _ in rounds]
-    depth = torch.cat([d for d, _, _ in rounds]).cpu()
-    accepted = torch.zeros(depth.shape[0], dtype=torch.bool)
-    picked, first = [], 0
-    for (_, _, path), size in zip(rounds, sizes, strict=True):
-        picked.extend(first + i for i in path[1:])
-        first += size
-    accepted[picked] = True
-    starts = torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)
-    draft = torch.ones_like(accepted)  # every node but the roots
-    draft[starts] = False
-    round_of = torch.repeat_interleave(torch.arange(len(rounds)), torch.tensor(sizes))
-    max_depth = torch.zeros(len(rounds), dtype=depth.dtype).scatter_reduce_(0, round_of, depth, "amax")
+    depth = torch.cat([d[1:] for d, _, _ in rounds]).tolist()  # the draft nodes (roots dropped)
+    first = 0
+    for d, _, path in rounds:
+        n = d.shape[0] - 1
+        accepted = set(path[1:])
+        stats.accepted_per_round.append(len(path) - 1)
+        stats.tree_depth_per_round.append(max(depth[first : first + n], default=0))
+        stats.tree_size_per_round.append(n + 1)
+        stats.node_accepted.extend(i in accepted for i in range(1, n + 1))
+        first += n
     stats.rounds += len(rounds)
-    stats.accepted_per_round.extend(len(path) - 1 for _, _, path in rounds)
-    stats.tree_depth_per_round.extend(max_depth.tolist())
-    stats.tree_size_per_round.extend(sizes)
-    stats.node_depth.extend(depth[draft].tolist())
-    stats.node_accepted.extend(accepted[draft].tolist())
+    stats.node_depth.extend(depth)
     if all(conf is not None for _, conf, _ in rounds):
-        stats.node_confidence.extend(torch.cat([c for _, c, _ in rounds]).cpu()[draft].tolist())
+        stats.node_confidence.extend(torch.cat([c[1:] for _, c, _ in rounds]).tolist())
