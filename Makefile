@@ -30,8 +30,9 @@ test: setup ## Run every test that needs no GPU (slow end-to-end ones too)
 test-fast: setup ## Quick tier: unit tests only (skips `slow`)
 	$(PY) -m pytest -q -m "not gpu and not slow" $(ARGS)
 
-lint: setup ## ruff over the package, scripts and tests
+lint: setup ## ruff check and ruff format --check over the package, scripts and tests
 	$(PY) -m ruff check eagle_train scripts tests train.py
+	$(PY) -m ruff format --check eagle_train scripts tests train.py
 
 demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~8 min on 2 cores; EXPERIMENT=... for GPU presets)
 	$(PY) -m eagle_train.pipeline experiment=$(EXPERIMENT) $(ARGS)

@@ -73,7 +73,9 @@ def calibration_pairs(stats: GenerationStats, method: str) -> list[list[float]]:
         end = start + size - 1  # nodes of this round, root excluded
         for i in range(start, min(end, len(stats.node_confidence))):
             depth = stats.node_depth[i]
-            tested = parent_ok[i] if parent_ok else (depth <= accepted + 1 if method == "chain" else depth == 1)
+            tested = (
+                parent_ok[i] if parent_ok else (depth <= accepted + 1 if method == "chain" else depth == 1)
+            )
             if tested:
                 pairs.append([stats.node_confidence[i], int(stats.node_accepted[i])])
         start = end
@@ -117,8 +119,14 @@ def answer_question(
             wall = time.perf_counter() - start
             answer = tokenizer.decode(result.tokens, skip_special_tokens=True)
             history[method].append({"role": "assistant", "content": answer})
-            record = {"question_id": question.question_id, "category": question.category, "turn": turn,
-                      "prompt_tokens": len(ids), "prompt_cut": cut, **answer_record(result, method, wall)}
+            record = {
+                "question_id": question.question_id,
+                "category": question.category,
+                "turn": turn,
+                "prompt_tokens": len(ids),
+                "prompt_cut": cut,
+                **answer_record(result, method, wall),
+            }
             record["text"] = answer
             records.append(record)
     return mark_identity(records, greedy=next(iter(decoders.values())).cfg.temperature == 0)
@@ -191,8 +199,10 @@ def run(cfg: EvaluateConfig) -> dict:
     renderer = ChatRenderer(target.tokenizer, cfg.target, target.max_len)
     prompt_limit = target.max_len - cfg.decode.max_new_tokens
     if prompt_limit < 2:
-        raise ValueError(f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
-                         f"{cfg.target.name}'s context of {target.max_len} tokens")
+        raise ValueError(
+            f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
+            f"{cfg.target.name}'s context of {target.max_len} tokens"
+        )
     records = [r for bench in cfg.bench for r in evaluate_bench(bench, cfg, decoders, renderer, prompt_limit)]
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

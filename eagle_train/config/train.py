@@ -23,7 +23,9 @@ PRECISIONS = ("auto", "no", "bf16", "fp16")
 class TrainDataConfig(DataConfig):
     """The conversations (online mode) or just the held-out share (offline mode: the store's ids)."""
 
-    source: str = "offline"  # offline: features from the store at `features` | online: the target runs in training
+    source: str = (
+        "offline"  # offline: features from the store at `features` | online: the target runs in training
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,7 +62,9 @@ class LossConfig:
 
     w_v: float = 1.0  # weight of the feature regression (SmoothL1)
     w_p: float = 0.1  # weight of the token cross entropy
-    soft: bool = True  # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
+    soft: bool = (
+        True  # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
+    )
     noise: str = "uniform"  # uniform U(-scale, scale) | length_scaled (reference code) | none
     noise_scale: float = 0.1  # noise amplitude
 
@@ -89,7 +93,9 @@ class TrainConfig:
     max_batch_size: int | None = 4  # most sequences per micro-batch (reference: 4 per GPU)
     bucket: bool = True  # length-bucketed micro-batches (False: shuffled, cut in order)
     grad_accum: int = 1  # micro-batches per process per optimizer step
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
+    mixed_precision: str = (
+        "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
+    )
     log_every: int = 10  # optimizer steps between metric lines
     eval_every: int = 500  # optimizer steps between held-out evaluations (0 = only at the end)
     eval_max_samples: int | None = 256  # held-out sequences evaluated (null = all)
@@ -102,7 +108,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.data.source == "offline" and not self.features:
-            raise ValueError("offline training needs `features=DIR` (a store from `python -m eagle_train.extract`)")
+            raise ValueError(
+                "offline training needs `features=DIR` (a store from `python -m eagle_train.extract`)"
+            )
         if self.resume not in ("auto", "never"):
             raise ValueError(f"resume must be auto or never, got {self.resume!r}")
         if self.mixed_precision not in PRECISIONS:

@@ -25,8 +25,13 @@ def target_identity(target: Target, hf_config) -> dict[str, Any]:
 
 def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
     """The target block of a head checkpoint's meta."""
-    return {"target": {"name": target.cfg.name, "source": target.source,
-                       "config_hash": target_config_hash(hf_config.to_dict())}}
+    return {
+        "target": {
+            "name": target.cfg.name,
+            "source": target.source,
+            "config_hash": target_config_hash(hf_config.to_dict()),
+        }
+    }
 
 
 def open_store(path: Path | None, target: Target, hf_config) -> tuple[FeatureStore, dict[str, Any]]:
