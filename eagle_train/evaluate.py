@@ -31,11 +31,11 @@ from eagle_train.config.base import CONF_DIR, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
+from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.stats import GenerationStats
 from eagle_train.modeling.interop import load_draft
 from eagle_train.modeling.target import Target, load_target
 from eagle_train.report import BASELINE, markdown_table, write_report
-from eagle_train.spec.decoder import SpeculativeDecoder
-from eagle_train.spec.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 

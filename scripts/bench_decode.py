@@ -27,11 +27,11 @@ from omegaconf import OmegaConf
 
 from eagle_train.config import REPO_ROOT, TargetConfig, to_schema
 from eagle_train.config.decode import DecodeConfig
+from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.target import load_target
 from eagle_train.regenerate import generate_batch
-from eagle_train.spec.decoder import SpeculativeDecoder
 
 DATA = REPO_ROOT.parent / "shared" / "data" / "tinystories"
 

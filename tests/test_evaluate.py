@@ -13,10 +13,10 @@ from eagle_train.config.base import CONF_DIR, to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.decoding.stats import GenerationStats
 from eagle_train.evaluate import calibration_pairs, fit_prompt, run
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
-from eagle_train.spec.stats import GenerationStats
 
 
 @pytest.fixture(scope="module")

@@ -128,8 +128,8 @@ def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_
     """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with
     the original head (tokens and per-round acceptance), for every layout."""
     from eagle_train.config.decode import DecodeConfig
+    from eagle_train.decoding.decoder import SpeculativeDecoder
     from eagle_train.modeling.interop import export_head, load_draft, load_input_embedding
-    from eagle_train.spec.decoder import SpeculativeDecoder
 
     head = random_head(target, fc_bias)
     embed = load_input_embedding(STORIES260K) if fmt == "eagle" else None

@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle_train"
 STAGES = {"extract", "train", "evaluate", "regenerate", "export", "pipeline"}
 ORCHESTRATION = {"hydra", "accelerate", "deepspeed", "wandb"}
-PURE_CORES = ("config", "spec", "loss", "metrics", "kv_cache", "data.batching")
+PURE_CORES = ("config", "decoding", "loss", "metrics", "kv_cache", "data.batching")
 
 
 def _modules() -> dict[str, set[str]]:
@@ -72,7 +72,7 @@ def test_pure_cores_import_only_torch_and_stdlib():
             top = _top(imp)
             if top == "eagle_train":
                 sub = imp.split(".")[1] if "." in imp else ""
-                assert sub in {"config", "spec", "loss", "metrics", "kv_cache", "data"}, (
+                assert sub in {"config", "decoding", "loss", "metrics", "kv_cache", "data"}, (
                     f"pure core eagle_train.{module} imports {imp}"
                 )
             elif top not in allowed_third_party:

@@ -15,7 +15,7 @@ SPECULATIVE = ("chain", "eagle1", "eagle2")
 
 @dataclass
 class DecodeConfig:
-    """One decoding setup for `eagle_train.spec.decoder.SpeculativeDecoder` (batch size 1)."""
+    """One decoding setup for `eagle_train.decoding.decoder.SpeculativeDecoder` (batch size 1)."""
 
     method: str = (
         "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
@@ -33,7 +33,7 @@ class DecodeConfig:
     max_new_tokens: int = 128  # generated tokens at most (the stop token included)
     stop_strings: list[str] = field(default_factory=list)  # stop once the generated text contains one
     seed: int = 0  # seed of the decoder's torch.Generator (sampling)
-    lean_draft: bool = True  # run the draft head through spec.lean_draft (same numbers, less overhead)
+    lean_draft: bool = True  # run the draft head through decoding.lean_draft (same numbers, less overhead)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -4,7 +4,7 @@
 `Target.features` returns the logits and the last hidden state, the LM head's input (EAGLE's feature
 f_j). This module and `draft.py` are the only importers of `transformers` in the package.
 
-Decode time (used by `eagle_train.spec.decoder`): `Target.new_cache` preallocates a `StaticKVCache`;
+Decode time (used by `eagle_train.decoding.decoder`): `Target.new_cache` preallocates a `StaticKVCache`;
 `Target.decode` runs the stock model on new tokens with explicit position ids and a 4-D boolean
 attention mask (True = attend; converted to an additive float mask for eager attention) against that
 cache, writing the new keys/values after the committed slots. A prefill is `decode` with a causal mask,

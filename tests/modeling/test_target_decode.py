@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle_train.decoding.tree import build_tree
 from eagle_train.modeling.target import load_target
-from eagle_train.spec.tree import build_tree
 
 
 def causal(n: int) -> torch.Tensor:

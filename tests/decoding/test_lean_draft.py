@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from eagle_train.decoding.lean_draft import LeanDraft, supports
 from eagle_train.kv_cache import StaticKVCache
 from eagle_train.modeling.draft import DraftHead
-from eagle_train.spec.lean_draft import LeanDraft, supports
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eagle_train.config.decode import load_tree_paths
-from eagle_train.spec.expand import expand_dynamic, expand_static, plan_static
-from eagle_train.spec.tree import chain_paths, shape_from_paths
+from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
+from eagle_train.decoding.tree import chain_paths, shape_from_paths
 
 VOCAB = 23
 ROOT = 7
@@ -63,7 +63,7 @@ def reference_dynamic(depth, top_k, total_tokens, lp_of) -> set[tuple[int, ...]]
     "paths", [chain_paths(5), load_tree_paths("mc_sim_7b_63"), [[0], [2], [2, 1], [2, 1, 3]]]
 )
 def test_static_expansion_matches_reference(scripted_draft, paths):
-    from tests.spec.conftest import path_log_probs
+    from tests.decoding.conftest import path_log_probs
 
     draft = scripted_draft(ROOT, VOCAB)
     shape = shape_from_paths(paths)
@@ -81,7 +81,7 @@ def test_static_expansion_matches_reference(scripted_draft, paths):
     "depth, top_k, total_tokens", [(1, 3, 4), (3, 4, 12), (5, 3, 26), (4, 5, 60), (2, 2, 200)]
 )
 def test_dynamic_expansion_matches_reference(scripted_draft, depth, top_k, total_tokens):
-    from tests.spec.conftest import path_log_probs
+    from tests.decoding.conftest import path_log_probs
 
     draft = scripted_draft(ROOT, VOCAB)
     tree = expand_dynamic(ROOT, draft.root_log_probs(), draft, depth, top_k, total_tokens)

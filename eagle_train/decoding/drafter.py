@@ -5,7 +5,7 @@ distribution of t_{j+2}. Committed cache slots hold pairs built from the TARGET'
 tokens. Each round starts with `catch_up`: the pairs of last round's accepted tokens + bonus token,
 whose features the verification forward already produced (no extra target forward). Its last output is
 the root's draft state. Tree inputs then go after the committed slots (`__call__`, the `DraftStep` of
-`spec.expand`) and are dropped at the next catch-up. A decoder keeps one `Drafter` for all its generations
+`decoding.expand`) and are dropped at the next catch-up. A decoder keeps one `Drafter` for all its generations
 (`reset`): buffers grow when needed, the fused weights of the lean forward are built once.
 """
 
@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from eagle_train.decoding import lean_draft
+from eagle_train.decoding.stats import GenerationStats
 from eagle_train.kv_cache import StaticKVCache
-from eagle_train.spec import lean_draft
-from eagle_train.spec.stats import GenerationStats
 
 
 class Drafter:
@@ -98,7 +98,7 @@ class Drafter:
     def __call__(
         self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int
     ) -> torch.Tensor:
-        """The tree draft step (see `spec.expand`): inputs at `depth` below the root."""
+        """The tree draft step (see `decoding.expand`): inputs at `depth` below the root."""
         m, base = tokens.shape[0], self.committed
         # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)
         features = self.root.expand(m, -1) if depth == 1 else self.hidden[parents]

@@ -2,7 +2,7 @@
 
 A tree is given by its parent array in topological order (`parents[i] < i`, node 0 is the root with
 parent -1). The root is the last token the target chose (it is always accepted); every other node is
-a draft token. `build_tree` derives what verification needs (the EAGLE-2 expansion in `spec.expand`
+a draft token. `build_tree` derives what verification needs (the EAGLE-2 expansion in `decoding.expand`
 builds the same fields with tensor ops):
 
     tokens            [n]          node tokens (root first)

@@ -13,12 +13,12 @@ import torch
 from scipy.stats import chisquare
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.spec.decoder import SpeculativeDecoder, _record_rounds
-from eagle_train.spec.drafter import Drafter
-from eagle_train.spec.expand import expand_static, plan_static
-from eagle_train.spec.stats import GenerationStats
-from eagle_train.spec.tree import build_tree, shape_from_paths
-from eagle_train.spec.verify import accept_sampling, process_logits
+from eagle_train.decoding.decoder import SpeculativeDecoder, _record_rounds
+from eagle_train.decoding.drafter import Drafter
+from eagle_train.decoding.expand import expand_static, plan_static
+from eagle_train.decoding.stats import GenerationStats
+from eagle_train.decoding.tree import build_tree, shape_from_paths
+from eagle_train.decoding.verify import accept_sampling, process_logits
 from tests.conftest import DATA
 
 SPEC = {
@@ -44,11 +44,11 @@ def test_greedy_speculative_equals_autoregressive(request, target, method, head_
     head = request.getfixturevalue(head_kind)
     for prompt in prompts(target):
         ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=100)
-        spec = generate(target, head, SPEC[method], prompt, max_new_tokens=100)
-        assert spec.tokens == ar.tokens and spec.stop_reason == ar.stop_reason
-        assert sum(a + 1 for a in spec.stats.accepted_per_round) + 1 >= len(spec.tokens)
+        result = generate(target, head, SPEC[method], prompt, max_new_tokens=100)
+        assert result.tokens == ar.tokens and result.stop_reason == ar.stop_reason
+        assert sum(a + 1 for a in result.stats.accepted_per_round) + 1 >= len(result.tokens)
         if head_kind == "trained_head":  # a trained head must actually be accepted
-            assert spec.stats.tau > 1.3
+            assert result.stats.tau > 1.3
 
 
 @pytest.mark.slow
@@ -58,8 +58,8 @@ def test_stops_at_eos_like_autoregressive(target, trained_head):
     ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=400)
     assert ar.stop_reason == "stop_token" and ar.tokens[-1] in target.stop_token_ids
     for cfg in SPEC.values():
-        spec = generate(target, trained_head, cfg, prompt, max_new_tokens=400)
-        assert spec.tokens == ar.tokens and spec.stop_reason == "stop_token"
+        result = generate(target, trained_head, cfg, prompt, max_new_tokens=400)
+        assert result.tokens == ar.tokens and result.stop_reason == "stop_token"
 
 
 @pytest.mark.slow
@@ -217,5 +217,5 @@ def test_stop_strings_like_autoregressive(target, trained_head):
     assert ar.stop_reason == "stop_string" and "tree" in target.tokenizer.decode(ar.tokens)
     assert "tree" not in target.tokenizer.decode(ar.tokens[:-1])
     for cfg in SPEC.values():
-        spec = generate(target, trained_head, cfg, prompt, max_new_tokens=100, stop_strings=["tree"])
-        assert spec.tokens == ar.tokens and spec.stop_reason == "stop_string"
+        result = generate(target, trained_head, cfg, prompt, max_new_tokens=100, stop_strings=["tree"])
+        assert result.tokens == ar.tokens and result.stop_reason == "stop_string"

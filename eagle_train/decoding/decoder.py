@@ -3,7 +3,7 @@
 Public API (batch size 1):
 
     from eagle_train.config.decode import DecodeConfig
-    from eagle_train.spec.decoder import SpeculativeDecoder
+    from eagle_train.decoding.decoder import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(target, head, DecodeConfig(method="eagle2", depth=4, top_k=4, total_tokens=16))
     result = decoder.generate(prompt_ids)          # list[int] or LongTensor [seq] / [1, seq]
@@ -16,7 +16,7 @@ Public API (batch size 1):
 Methods: `ar` plain decoding in this harness (same cache code, one target forward per token), `hf`
 Hugging Face `generate` (a second reference), `chain`, `eagle1` (static tree from conf/tree),
 `eagle2` (dynamic tree). temperature 0 = greedy: the output equals `ar` token for token; temperature > 0:
-lossless rejection sampling (`spec.verify`), the output is distributed as the target's.
+lossless rejection sampling (`decoding.verify`), the output is distributed as the target's.
 
 Generation stops at a stop token (`Target.stop_token_ids`), a stop string, max_new_tokens, or when the
 sequence reaches the context limit `Target.max_len` (prompt + generated <= max_len).
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.spec.drafter import Drafter
-from eagle_train.spec.expand import expand_dynamic, expand_static, plan_static
-from eagle_train.spec.stats import GenerationStats, Stopwatch
-from eagle_train.spec.tree import Tree, shape_from_paths
-from eagle_train.spec.verify import accept_greedy, accept_sampling, process_logits
+from eagle_train.decoding.drafter import Drafter
+from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
+from eagle_train.decoding.stats import GenerationStats, Stopwatch
+from eagle_train.decoding.tree import Tree, shape_from_paths
+from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
 
 
 @dataclass

@@ -5,8 +5,8 @@ per-call mask building; at decode time on a CPU that per-call overhead is most o
 the same computation as a few fused tensor ops: one projection gives q, k, v and rotate_half(q, k) (RoPE
 is then one multiply-add against a table precomputed for every position), keys and values are written
 to the cache in one copy, gate/up is one projection, the residual adds ride in the output projections'
-addmm, and there are no module calls. Used by `spec.drafter.Drafter` when the head is a
-Llama-style head with SiLU MLPs (the EAGLE head); `tests/spec/test_lean_draft.py` checks it against
+addmm, and there are no module calls. Used by `decoding.drafter.Drafter` when the head is a
+Llama-style head with SiLU MLPs (the EAGLE head); `tests/decoding/test_lean_draft.py` checks it against
 `DraftHead.forward`.
 """
 

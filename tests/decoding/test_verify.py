@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eagle_train.spec.expand import expand_dynamic, expand_static, plan_static
-from eagle_train.spec.tree import build_tree, shape_from_paths
-from eagle_train.spec.verify import accept_greedy, accept_sampling, process_logits
+from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
+from eagle_train.decoding.tree import build_tree, shape_from_paths
+from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
 
 VOCAB = 5
 ROOT = 2
@@ -20,7 +20,7 @@ ROOT = 2
 
 def target_probs_of(path: tuple[int, ...]) -> torch.Tensor:
     """The stub target's next-token distribution after a token path (context-dependent)."""
-    from tests.spec.conftest import path_log_probs
+    from tests.decoding.conftest import path_log_probs
 
     return path_log_probs(("target", *path), VOCAB, scale=1.2).exp()
 

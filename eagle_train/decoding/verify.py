@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_train.spec.tree import Tree
+from eagle_train.decoding.tree import Tree
 
 
 def process_logits(

@@ -9,7 +9,7 @@ import torch
 
 from eagle_train.config.base import CONF_DIR
 from eagle_train.config.decode import load_tree_paths
-from eagle_train.spec.tree import build_tree, chain_paths, shape_from_paths
+from eagle_train.decoding.tree import build_tree, chain_paths, shape_from_paths
 
 SHIPPED = sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml"))
 

@@ -7,7 +7,7 @@ import pytest
 from eagle_train.config import to_schema
 from eagle_train.config.base import CONF_DIR
 from eagle_train.config.decode import DecodeConfig, load_tree_paths
-from eagle_train.spec.tree import shape_from_paths
+from eagle_train.decoding.tree import shape_from_paths
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml")))

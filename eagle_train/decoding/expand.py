@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from eagle_train.spec.tree import Tree, TreeShape, build_tree
+from eagle_train.decoding.tree import Tree, TreeShape, build_tree
 
 DraftStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
