@@ -37,8 +37,8 @@ lint: setup ## ruff check and ruff format --check over the package, scripts and 
 demo: setup ## The main job: the whole pipeline on the embedded stories260K, report table at the end (~8 min on 2 cores; EXPERIMENT=... for GPU presets)
 	$(PY) -m eagle_train.pipeline experiment=$(EXPERIMENT) $(ARGS)
 
-data: setup ## Build the TinyStories conversations (data/generated/tinystories_sharegpt.jsonl)
-	$(PY) -m eagle_train.data.tinystories out=data/generated/tinystories_sharegpt.jsonl
+data: setup ## Rebuild the shipped TinyStories conversations (data/tinystories/tinystories_sharegpt.jsonl)
+	$(PY) -m eagle_train.data.tinystories out=data/tinystories/tinystories_sharegpt.jsonl
 
 regenerate: setup ## The target writes the replies itself: ARGS="data=sharegpt_prompts out=FILE.jsonl"
 	$(PY) -m eagle_train.regenerate $(ARGS)

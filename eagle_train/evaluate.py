@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import platform
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import GenerationStats
+from eagle_train.files import atomic_write_lines
 from eagle_train.modeling.interop import load_draft
 from eagle_train.modeling.target import Target, load_target
 from eagle_train.report import BASELINE, markdown_table, write_report
@@ -164,11 +164,7 @@ def _running_tau(records: list[dict]) -> str:
 
 def write_answers(records: list[dict], path: Path) -> None:
     """answers.jsonl, written to a temporary name then renamed."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_lines(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds: float) -> dict:

@@ -33,6 +33,7 @@ from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, load_conversations
+from eagle_train.files import file_sha256
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.store import (
     HIDDEN_DTYPES,
@@ -40,7 +41,6 @@ from eagle_train.store import (
     SCHEMA_VERSION,
     completed_shard,
     content_key,
-    file_sha256,
     plan_shards,
     prepare_out_dir,
     target_config_hash,

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from eagle_train.config.base import CONF_DIR, to_schema
 from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
+from eagle_train.files import atomic_write_json
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
@@ -93,7 +94,7 @@ def run_stage(name: str, spec: StageSpec, cfg: PipelineConfig, run_dir: Path) ->
     if missing:
         raise SystemExit(f"[pipeline] stage {name!r} finished but did not write {missing}")
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"hash": command_hash(argv), "argv": argv, "seconds": seconds}) + "\n")
+    atomic_write_json(marker, {"hash": command_hash(argv), "argv": argv, "seconds": seconds})
     print(f"[pipeline] {name}: done in {seconds:.1f} s", flush=True)
     return {"stage": name, "argv": argv, "skipped": False, "seconds": seconds}
 
@@ -111,7 +112,7 @@ def run(cfg: PipelineConfig) -> list[dict]:
     total = time.perf_counter() - start
     summary = {"experiment": cfg.name, "run_dir": str(run_dir), "total_seconds": total, "stages": records}
     if not cfg.dry_run:
-        (run_dir / "pipeline.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_json(run_dir / "pipeline.json", summary, sort_keys=False)
     times = ", ".join(
         f"{r['stage']} " + ("skipped" if r["skipped"] else f"{r['seconds']:.0f} s") for r in records
     )

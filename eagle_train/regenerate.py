@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from eagle_train.config.base import CONF_DIR, resolve_path, to_schema
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import load_conversations
+from eagle_train.files import atomic_write_json, atomic_write_lines
 from eagle_train.modeling.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -202,21 +202,10 @@ def merge(out: Path, order: dict[str, int]) -> int:
         for record in read_records(source):
             unique.setdefault(record["id"], record)
     records = sorted(unique.values(), key=lambda r: order.get(r["id"], len(order)))
-    tmp = out.with_name(f".{out.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    atomic_write_lines(out, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     for part in part_files(out):
         part.unlink()
     return len(records)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------- the stage
@@ -299,7 +288,7 @@ def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Co
     )
     if accelerator.is_main_process:
         total["records"] = merge(out, order)
-        write_json_atomic(out.with_name(f"{out.name}.stats.json"), total)
+        atomic_write_json(out.with_name(f"{out.name}.stats.json"), total)
         log.info("regenerate: %s -> %s: %s", len(order), out, total)
     accelerator.wait_for_everyone()
     return total

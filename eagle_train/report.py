@@ -17,13 +17,13 @@ Speedup = the method's tokens/s over ar's tokens/s on the same benchmark, in the
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from eagle_train.files import atomic_path, atomic_write_json, atomic_write_text
 
 BASELINE = "ar"
 CALIBRATION_BINS = 10
@@ -182,13 +182,6 @@ def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], pl
     return "\n".join(parts) + "\n"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary name beside `path`, then rename (no partial file on failure)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(
     records: list[dict], out_dir: str | Path, meta: dict[str, Any], min_rounds: int = 20, plots: bool = True
 ) -> dict[str, Any]:
@@ -207,8 +200,8 @@ def write_report(
         "calibration": calib,
         "plots": [Path(p).name for p in plot_files],
     }
-    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(out / "report.md", render_markdown(rows, notes, meta, plot_files))
+    atomic_write_json(out / "report.json", report, sort_keys=False)
+    atomic_write_text(out / "report.md", render_markdown(rows, notes, meta, plot_files))
     return report
 
 
@@ -236,10 +229,9 @@ def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[Path]:
     ):
         fig = draw(plt, records, rows)
         path = out / f"{name}.png"
-        tmp = out / f".{name}.tmp.png"
-        fig.savefig(tmp, dpi=100, bbox_inches="tight")
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=100, bbox_inches="tight")
         plt.close(fig)
-        os.replace(tmp, path)
         files.append(path)
     return files
 

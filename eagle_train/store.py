@@ -26,7 +26,6 @@ import importlib.metadata
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+from eagle_train.files import atomic_path, atomic_write_json, file_sha256
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -74,15 +75,6 @@ def token_dtype(vocab_size: int) -> torch.dtype:
     return torch.uint16 if vocab_size <= 2**16 else torch.int32
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def target_config_hash(hf_config: dict[str, Any], length: int = 16) -> str:
     """Hash of a target's Hugging Face config (`config.to_dict()`), without paths, versions and dtype.
 
@@ -92,28 +84,6 @@ def target_config_hash(hf_config: dict[str, Any], length: int = 16) -> str:
     kept = {k: v for k, v in hf_config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
     blob = json.dumps(kept, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Write JSON to a temporary file in the same directory, then rename it over `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def publish(tmp: str | Path, final: str | Path) -> None:
-    """Rename a finished temp file to its final name, with the usual permissions (mkstemp makes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, final)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -278,10 +248,8 @@ def write_shard(
     }
     metadata = {"ids": json.dumps([str(s["id"]) for s in samples]), "schema_version": str(SCHEMA_VERSION)}
     final = out_dir / shard_name(index)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+    with atomic_path(final) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
         info = {
             "file": final.name,
             "index": index,
@@ -292,10 +260,6 @@ def write_shard(
             "bytes": os.path.getsize(tmp),
             **(extra or {}),
         }
-        publish(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     atomic_write_json(sidecar_path(final), info)
     return info
 

@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 from datasets.utils.logging import disable_progress_bar
 
-from eagle_train.config.base import REPO_ROOT
+from eagle_train.config.base import data_path
 from eagle_train.config.target import TargetConfig
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import load_sharegpt
 from eagle_train.modeling.target import load_tokenizer
 
-SHAREGPT = (REPO_ROOT / ".." / "shared" / "data" / "sharegpt").resolve()
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHAREGPT = data_path("sharegpt")
 FILES = {
     "alpaca": SHAREGPT / "alpaca_cleaned_1000_as_sharegpt.json",
     "fastchat": SHAREGPT / "fastchat_dummy_conversation.json",
@@ -47,7 +48,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def renderers() -> dict[str, ChatRenderer]:
-    cfg = TargetConfig(path=str((REPO_ROOT / ".." / "shared" / "models" / "stories260K").resolve()))
+    cfg = TargetConfig(path=str(data_path("models/stories260K")))
     tok = load_tokenizer(cfg)
     hf_tok = load_tokenizer(cfg)
     hf_tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eagle_train.config import REPO_ROOT, TargetConfig, to_schema
+from eagle_train.config import CONF_DIR, TargetConfig, data_path, to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.modeling.checkpoint import load_head, save_head
@@ -33,7 +33,8 @@ from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.target import load_target
 from eagle_train.regenerate import generate_batch
 
-DATA = REPO_ROOT.parent / "shared" / "data" / "tinystories"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA = data_path("tinystories")
 
 METHODS = {
     "ar": DecodeConfig(method="ar"),
@@ -184,9 +185,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO_ROOT / "bench_results" / "decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_target(
-        to_schema(OmegaConf.load(REPO_ROOT / "conf" / "target" / "stories260k.yaml"), TargetConfig)
-    )
+    target = load_target(to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig))
     if args.draft:
         head, _ = load_head(args.draft)
         head.share_target_weights(target.embed_tokens, target.lm_head)

@@ -2,7 +2,7 @@
 
     python scripts/bench_extract.py [--repeats 3] [--limit 1000]
 
-Extracts ../shared/data/sharegpt/alpaca_cleaned_1000_as_sharegpt.json (template `plain`, max_len 512)
+Extracts the shipped data/sharegpt/alpaca_cleaned_1000_as_sharegpt.json (template `plain`, max_len 512)
 with the default settings (length-bucketed batches, no attention mask), batch size 1, and the default
 batches with a padding mask, interleaved, `--repeats` times each; tokens/s is the median, timed over
 the target forwards plus shard writing (data loading and model loading are shared and left out). Then
@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 import eagle_train.extract as extract
-from eagle_train.config.base import CONF_DIR, REPO_ROOT, to_schema
+from eagle_train.config.base import CONF_DIR, data_path, to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.target import TargetConfig
@@ -43,9 +43,7 @@ from eagle_train.store import (
     write_shard,
 )
 
-ALPACA = (
-    REPO_ROOT / ".." / "shared" / "data" / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json"
-).resolve()
+ALPACA = (data_path("sharegpt/alpaca_cleaned_1000_as_sharegpt.json")).resolve()
 VARIANTS = {  # name -> (ExtractConfig overrides, attention mask)
     "default": ({}, False),
     "batch size 1": ({"max_batch_size": 1}, False),
@@ -162,7 +160,7 @@ def main() -> None:
         "bytes_per_token": counts["bytes_per_token"],
         "read_us_median": reads,
     }
-    out = REPO_ROOT / "bench_results" / "extract.json"
+    out = Path(__file__).resolve().parents[1] / "bench_results" / "extract.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -14,17 +14,19 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from eagle_train.config import TargetConfig, to_schema
-from eagle_train.config.base import CONF_DIR, REPO_ROOT
+from eagle_train.config.base import CONF_DIR, data_path
 from eagle_train.data.render import ChatRenderer
 from eagle_train.modeling.target import load_target
 from eagle_train.regenerate import generate_batch
 
-PROMPTS = REPO_ROOT / ".." / "shared" / "data" / "tinystories" / "tinystories_prompts.jsonl"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = data_path("tinystories/tinystories_prompts.jsonl")
 
 
 def timed(target, prompts, batch_size, new_tokens):

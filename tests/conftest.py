@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle_train.config.base import CONF_DIR, DATA_DIR
+
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -19,9 +21,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = (REPO_ROOT / ".." / "shared").resolve()
-STORIES260K = SHARED / "models" / "stories260K"
-DATA = SHARED / "data"
+STORIES260K = DATA_DIR / "models" / "stories260K"
+DATA = DATA_DIR
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,7 +41,7 @@ def target_cfg():
 
     from eagle_train.config import TargetConfig, to_schema
 
-    return to_schema(OmegaConf.load(REPO_ROOT / "conf" / "target" / "stories260k.yaml"), TargetConfig)
+    return to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,10 @@ from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
 from eagle_train.extract import run
 from eagle_train.store import MANIFEST_NAME, FeatureStore, StoreMismatchError, target_config_hash
+from tests.conftest import DATA
 
-ALPACA = "../shared/data/sharegpt/alpaca_cleaned_1000_as_sharegpt.json"
-FASTCHAT = "../shared/data/sharegpt/fastchat_dummy_conversation.json"  # short multi-turn conversations
+ALPACA = str(DATA / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json")
+FASTCHAT = str(DATA / "sharegpt" / "fastchat_dummy_conversation.json")  # short multi-turn conversations
 
 
 def extract_cfg(target_cfg, out_dir, path=ALPACA, limit=12, max_len=128, **kw) -> ExtractConfig:

@@ -17,10 +17,11 @@ from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.extract import STOP_AFTER_ENV, run
 from eagle_train.store import MANIFEST_NAME, FeatureStore, shard_name
+from tests.conftest import DATA
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FASTCHAT = "../shared/data/sharegpt/fastchat_dummy_conversation.json"
+FASTCHAT = str(DATA / "sharegpt" / "fastchat_dummy_conversation.json")
 # 10 short FastChat conversations in shards of 3 -> 4 shards
 ARGS = ["data=fastchat_dummy", "data.limit=10", "data.max_len=96", "shard_samples=3", "progress=false"]
 

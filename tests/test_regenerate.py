@@ -33,7 +33,7 @@ def write_prompts(path, n: int = 50, turns: int = 1) -> list[str]:
 
 
 def make_cfg(target_cfg, prompts, out, **kw) -> RegenerateConfig:
-    data = DataConfig(name="prompts", path=str(prompts), build=None, max_len=kw.pop("data_max_len", None))
+    data = DataConfig(name="prompts", path=str(prompts), max_len=kw.pop("data_max_len", None))
     defaults = {"batch_size": 8, "max_new_tokens": 24, "progress": False}
     return RegenerateConfig(target=target_cfg, data=data, out=str(out), **{**defaults, **kw})
 
@@ -45,7 +45,11 @@ def test_shipped_config_composes():
             compose("regenerate", overrides=["data=sharegpt_prompts", "data.limit=5", "data.max_len=300"]),
             RegenerateConfig,
         )
-    assert cfg.target.name == "stories260k" and cfg.turns == "all" and cfg.out.endswith("_regenerated.jsonl")
+    assert (
+        cfg.target.name == "stories260k"
+        and cfg.turns == "all"
+        and cfg.out == "outputs/regenerated/stories260k_tinystories.jsonl"
+    )
     assert prompts.data.name == "sharegpt_prompts" and prompts.data.limit == 5 and prompts.data.max_len == 300
 
 

@@ -20,8 +20,7 @@ from eagle_train.store import StoreMismatchError
 from eagle_train.train import run
 from eagle_train.training.data import collate, plan_epoch, split_by_id
 from eagle_train.training.optim import lr_at
-
-STORIES260K = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+from tests.conftest import STORIES260K
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,12 @@
-"""Config plumbing: the repository root, path resolution and DictConfig -> dataclass conversion."""
+"""Config plumbing: where the shipped configs and data live, path resolution, DictConfig -> dataclass.
+
+The repository's `conf/` (Hydra configs) and `data/` (the embedded target, TinyStories, the benchmark
+question sets, small ShareGPT files; see data/README.md) ship inside the package: a wheel carries them as
+`eagle_train/conf` and `eagle_train/assets` (pyproject's package-dir), a source checkout or editable
+install reads them from the repository beside the package. Shipped data is named in YAML as
+`${data:models/stories260K}`; nothing is looked up relative to the current directory, and nothing
+outside the package or the repository is read unless a path says so.
+"""
 
 from __future__ import annotations
 
@@ -10,30 +18,47 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-# The package lives at <repo>/eagle_train/config/base.py in an editable install (`pip install -e .`),
-# which is how this project is installed; `conf/` and the shared data are found from here.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _shipped(in_wheel: str, in_repo: str) -> Path:
+    """A shipped folder: inside the installed package (wheel), else beside it in the repository."""
+    inside = PACKAGE_DIR / in_wheel
+    return inside if inside.is_dir() else PACKAGE_DIR.parent / in_repo
+
+
+CONF_DIR = _shipped("conf", "conf")
+DATA_DIR = _shipped("assets", "data")
+DATA_PREFIX = "${data:"
 
 T = TypeVar("T")
 
 
+def data_path(rel: str = "") -> Path:
+    """A shipped data file or folder, e.g. data_path("models/stories260K")."""
+    return DATA_DIR / rel
+
+
+def expand_data_ref(path: str) -> str:
+    """`${data:REL}` (the Hydra resolver, here for a dataclass built without Hydra) -> an absolute path."""
+    if path.startswith(DATA_PREFIX) and path.endswith("}"):
+        return str(data_path(path[len(DATA_PREFIX) : -1]))
+    return path
+
+
 def resolve_path(path: str | Path | None) -> Path | None:
-    """An absolute path as is; a relative one against the current directory if it exists there,
-    else against the repository root (so `../shared/...` works from anywhere)."""
+    """A user-given path: `~` expanded, `${data:...}` expanded, relative paths against the current
+    directory (made absolute when they exist). None or "" -> None."""
     if path is None or str(path) == "":
         return None
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return p.resolve() if p.exists() else p
-    candidate = REPO_ROOT / p
-    return candidate.resolve() if candidate.exists() else p
+    p = Path(expand_data_ref(str(path))).expanduser()
+    return p.resolve() if p.exists() else p
 
 
 def _register_resolvers() -> None:
-    if not OmegaConf.has_resolver("repo"):
-        # ${repo:../shared/models/stories260K} -> absolute path under the repository root
-        OmegaConf.register_new_resolver("repo", lambda rel="": str((REPO_ROOT / rel).resolve()))
+    if not OmegaConf.has_resolver("data"):
+        # ${data:models/stories260K} -> the shipped data folder's file (absolute path)
+        OmegaConf.register_new_resolver("data", lambda rel="": str(data_path(rel)))
 
 
 _register_resolvers()

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle_train.config.base import REPO_ROOT
+from eagle_train.config.base import expand_data_ref
 
 LEADING_ASSISTANT = ("drop_turns", "drop_conversation")
 REPEATED_ROLES = ("merge", "drop_conversation")
-BUILDERS = ("tinystories",)
-
-
-def expand_repo(path: str) -> str:
-    """`${repo:REL}` (the Hydra resolver, here for a dataclass built without Hydra) -> an absolute path."""
-    if path.startswith("${repo:") and path.endswith("}"):
-        return str((REPO_ROOT / path[len("${repo:") : -1]).resolve())
-    return path
 
 
 @dataclass
@@ -23,8 +15,8 @@ class DataConfig:
     """A ShareGPT conversation file (JSON array or JSONL) and how it is cut and cleaned."""
 
     name: str = "tinystories"  # short id for manifests and run names
-    # ShareGPT JSON/JSONL file; relative paths resolve against the cwd, then the repository root
-    path: str = "${repo:data/generated/tinystories_sharegpt.jsonl}"
+    # ShareGPT JSON/JSONL file (relative to the current directory); ${data:...} names a shipped file
+    path: str = "${data:tinystories/tinystories_sharegpt.jsonl}"
     max_len: int | None = None  # truncate to this many tokens; None = the target's max_len
     limit: int | None = None  # use only the first N conversations (after normalisation)
     eval_fraction: float = 0.05  # held-out share for training metrics (deterministic split by id hash)
@@ -32,11 +24,9 @@ class DataConfig:
     leading_assistant: str = "drop_turns"
     # consecutive turns of one role (after empty turns are removed): merge (join with a blank line) | drop_conversation
     repeated_roles: str = "merge"
-    # build the file when it is missing: null (never) | tinystories (only at its default output path)
-    build: str | None = "tinystories"
 
     def __post_init__(self) -> None:
-        self.path = expand_repo(str(self.path))
+        self.path = expand_data_ref(str(self.path))
         if self.max_len is not None and self.max_len <= 1:
             raise ValueError(f"data.max_len must be > 1, got {self.max_len}")
         if self.limit is not None and self.limit <= 0:
@@ -51,5 +41,3 @@ class DataConfig:
             raise ValueError(
                 f"data.repeated_roles must be one of {REPEATED_ROLES}, got {self.repeated_roles!r}"
             )
-        if self.build is not None and self.build not in BUILDERS:
-            raise ValueError(f"data.build must be null or one of {BUILDERS}, got {self.build!r}")

@@ -12,7 +12,7 @@ class TargetConfig:
     """A frozen Hugging Face causal LM (the model the draft head accelerates)."""
 
     name: str = "stories260k"  # short id used in run names and manifests
-    path: str = "${repo:../shared/models/stories260K}"  # local directory or hub id
+    path: str = "${data:models/stories260K}"  # local directory or hub id (${data:...}: shipped)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own dtype)
     trust_remote_code: bool = False  # off unless the user turns it on
     revision: str | None = None  # hub revision (branch, tag or commit)

@@ -1,6 +1,6 @@
 """Stage 2, `accelerate launch train.py`: train the EAGLE draft head on target features.
 
-Defaults follow the reference recipe (../shared/EAGLE.md) where it makes sense for a 7B target;
+Defaults follow the reference recipe where it makes sense for a 7B target;
 `conf/experiment/stories260k_cpu.yaml` is the CPU-sized preset for the embedded tiny target.
 """
 

@@ -1,8 +1,8 @@
 """Benchmark prompts for evaluation: the reference question sets, TinyStories prompts, any user JSONL.
 
 A benchmark is named either by a short name (`mt_bench`, `humaneval`, `gsm8k`, `alpaca`, `sum`, `qa`:
-`<shared>/data/bench/<name>/question.jsonl`; `tinystories`: `<shared>/data/tinystories/
-tinystories_prompts.jsonl`) or by a path to a JSONL file. Each line of a file is one question:
+the shipped `data/bench/<name>/question.jsonl`; `tinystories`: `data/tinystories/tinystories_prompts.jsonl`)
+or by a path to a JSONL file. Each line of a file is one question:
 `{"question_id", "category", "turns": [str, ...]}` (the reference layout; mt_bench has two turns), or a
 single prompt under `prompt`, `question`, `instruction` or `text` (TinyStories prompts use `prompt`).
 A multi-turn question is asked turn by turn with the model's own earlier answers kept in context.
@@ -14,15 +14,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_train.config.base import REPO_ROOT
+from eagle_train.config.base import data_path, resolve_path
 
-SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
 BENCH_FILES = {
     **{
-        name: SHARED_DATA / "bench" / name / "question.jsonl"
+        name: data_path(f"bench/{name}/question.jsonl")
         for name in ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
     },
-    "tinystories": SHARED_DATA / "tinystories" / "tinystories_prompts.jsonl",
+    "tinystories": data_path("tinystories/tinystories_prompts.jsonl"),
 }
 PROMPT_KEYS = ("prompt", "question", "instruction", "text")
 ID_KEYS = ("question_id", "id")
@@ -42,10 +41,8 @@ def bench_path(bench: str) -> Path:
     """The question file of a benchmark name, or `bench` itself as a path to a JSONL file."""
     if bench in BENCH_FILES:
         return BENCH_FILES[bench]
-    path = Path(bench).expanduser()
-    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path
-    if not path.is_file():
+    path = resolve_path(bench)
+    if path is None or not path.is_file():
         known = ", ".join(sorted(BENCH_FILES))
         raise FileNotFoundError(
             f"benchmark {bench!r}: neither a known name ({known}) nor an existing JSONL file"

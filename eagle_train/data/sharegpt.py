@@ -296,19 +296,7 @@ def load_sharegpt(
 def load_conversations(
     cfg: DataConfig, *, require_replies: bool = True
 ) -> tuple[datasets.Dataset, DropReport]:
-    """`load_sharegpt` with the config's path, limit and policies. With `cfg.build = "tinystories"` and
-    `cfg.path` the builder's default output (data/generated/tinystories_sharegpt.jsonl) missing, the
-    file is built first; any other missing path is an error, never silently filled with TinyStories."""
-    from eagle_train.data import tinystories
-
-    path = resolve_path(cfg.path)
-    if (
-        cfg.build == "tinystories"
-        and path is not None
-        and not path.exists()
-        and path == tinystories.DEFAULT_OUT
-    ):
-        tinystories.build_tinystories_conversations(out_path=path)
+    """`load_sharegpt` with the config's path, limit and policies (reads only; never writes a file)."""
     return load_sharegpt(
         cfg.path,
         require_replies=require_replies,

@@ -1,7 +1,7 @@
 """TinyStories paragraphs -> ShareGPT conversations for the embedded stories260K target.
 
-Writes `data/generated/tinystories_sharegpt.jsonl` (by default): JSON Lines, one conversation per
-paragraph of `../shared/data/tinystories/tinystories_val_head.txt` (split on blank lines, whitespace
+Writes JSON Lines, one conversation per paragraph of the shipped
+`data/tinystories/tinystories_val_head.txt` (split on blank lines, whitespace
 runs collapsed to one space):
     {"id": "tinystories_<paragraph index>",
      "conversations": [{"from": "human", "value": <first sentence>}, {"from": "gpt", "value": <the rest>}]}
@@ -10,27 +10,28 @@ itself, so the head trains on ordinary story text with the loss on everything af
 Paragraphs that are evaluation prompts (`tinystories_prompts.jsonl`: same paragraph or same first
 sentence) are left out by default, so the demo evaluates on held-out stories; so are one-sentence paragraphs.
 
-    python -m eagle_train.data.tinystories out=data/generated/tinystories_sharegpt.jsonl [limit=N]
-        [src=FILE] [held_out=FILE|none]
+    python -m eagle_train.data.tinystories out=FILE.jsonl [limit=N] [src=FILE] [held_out=FILE|none]
+
+The default training data (`conf/data/tinystories.yaml`) is this builder's output with the defaults,
+shipped as `data/tinystories/tinystories_sharegpt.jsonl` (`make data` rewrites it; a test checks that
+the builder reproduces it byte for byte), so loading the default never writes anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
-from eagle_train.config.base import REPO_ROOT
+from eagle_train.config.base import data_path
 from eagle_train.data.jsonl import jsonl_records
+from eagle_train.files import atomic_write_text
 
-TINYSTORIES = (REPO_ROOT / ".." / "shared" / "data" / "tinystories").resolve()
-DEFAULT_SRC = TINYSTORIES / "tinystories_val_head.txt"
-DEFAULT_HELD_OUT = TINYSTORIES / "tinystories_prompts.jsonl"
-DEFAULT_OUT = REPO_ROOT / "data" / "generated" / "tinystories_sharegpt.jsonl"
+DEFAULT_SRC = data_path("tinystories/tinystories_val_head.txt")
+DEFAULT_HELD_OUT = data_path("tinystories/tinystories_prompts.jsonl")
+SHIPPED = data_path("tinystories/tinystories_sharegpt.jsonl")  # the builder's output with the defaults
 # the first sentence: up to . ! or ? (and a closing quote), then whitespace and a new sentence's start
 # (capital letter or opening quote: `"Look!" said Sue.` is one sentence)
 FIRST_SENTENCE = re.compile(r"^(.+?[.!?][\"'\u201d\u2019]?)\s+([A-Z\"'\u201c\u2018(].*)$", re.DOTALL)
@@ -54,8 +55,8 @@ def load_held_out(path: str | Path | None) -> tuple[set[str], set[str]]:
 
 
 def build_tinystories_conversations(
+    out_path: str | Path,
     src: str | Path = DEFAULT_SRC,
-    out_path: str | Path = DEFAULT_OUT,
     limit: int | None = None,
     held_out_prompts: str | Path | None = DEFAULT_HELD_OUT,
 ) -> dict[str, int]:
@@ -81,22 +82,8 @@ def build_tinystories_conversations(
                 json.dumps({"id": f"tinystories_{index}", "conversations": turns}, ensure_ascii=False)
             )
             counts["written"] += 1
-    write_text_atomic(Path(out_path), "\n".join(lines) + "\n")
+    atomic_write_text(out_path, "\n".join(lines) + "\n")
     return counts
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary file next to `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the data file is an ordinary readable file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -105,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m eagle_train.data.tinystories", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="conversations JSONL to write")
+    parser.add_argument("--out", required=True, help="conversations JSONL to write")
     parser.add_argument(
         "--src", default=str(DEFAULT_SRC), help="TinyStories text, paragraphs split by blank lines"
     )
@@ -120,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     held_out = None if args.held_out.lower() == "none" else args.held_out
-    counts = build_tinystories_conversations(args.src, args.out, args.limit, held_out)
+    counts = build_tinystories_conversations(args.out, args.src, args.limit, held_out)
     print(
         f"wrote {counts['written']} conversations to {args.out} ({', '.join(f'{k} {v}' for k, v in counts.items())})"
     )

@@ -8,9 +8,6 @@ block: the target it was trained for, fc bias, training max length. Writes are a
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,30 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from eagle_train.files import atomic_write_dir
 from eagle_train.modeling.draft import DraftHead
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-def atomic_write_dir(final: Path, write) -> None:
-    """Call `write(tmp_dir)` then move tmp_dir to `final` (replacing it), so `final` is never partial."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def head_config_dict(head: DraftHead, meta: dict[str, Any] | None = None) -> dict[str, Any]:

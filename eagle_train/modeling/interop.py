@@ -32,7 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, atomic_write_dir
+from eagle_train.files import atomic_write_dir
+from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)

@@ -173,9 +173,7 @@ def test_load_conversations_uses_the_config(tmp_path):
     ds, report = load_conversations(cfg)
     assert len(ds) == 0 and report.counts == {"leading_assistant": 4}
     with pytest.raises(DataError, match="not found"):
-        load_conversations(
-            DataConfig(path=str(tmp_path / "missing.jsonl"))
-        )  # build=tinystories never fills it
+        load_conversations(DataConfig(path=str(tmp_path / "missing.jsonl")))
 
 
 def test_split_by_id_is_deterministic_and_stable():

@@ -46,7 +46,7 @@ def test_split_first_sentence():
 def test_build_small_file(small_src, tmp_path):
     src, held = small_src
     out = tmp_path / "out" / "conv.jsonl"
-    counts = build_tinystories_conversations(src, out, held_out_prompts=held)
+    counts = build_tinystories_conversations(out, src, held_out_prompts=held)
     assert counts == {"written": 2, "held_out": 1, "single_sentence": 1, "empty": 1}
     records = read_jsonl(out)
     assert [r["id"] for r in records] == ["tinystories_0", "tinystories_3"]
@@ -55,7 +55,7 @@ def test_build_small_file(small_src, tmp_path):
         {"from": "gpt", "value": "She pointed at the sky."},  # whitespace runs collapsed
     ]
     assert [p.name for p in out.parent.iterdir()] == ["conv.jsonl"]  # no temporary file left
-    assert build_tinystories_conversations(src, out, limit=1, held_out_prompts=None)["written"] == 1
+    assert build_tinystories_conversations(out, src, limit=1, held_out_prompts=None)["written"] == 1
     assert len(read_jsonl(out)) == 1
 
 
@@ -91,8 +91,17 @@ def test_cli_writes_the_file(tmp_path):
     assert len(read_jsonl(out)) == 5
 
 
-def test_config_builds_the_default_file_when_missing(tmp_path, monkeypatch):
-    out = tmp_path / "generated" / "tinystories_sharegpt.jsonl"
-    monkeypatch.setattr(tinystories, "DEFAULT_OUT", out)
-    ds, _ = load_conversations(DataConfig(path=str(out), limit=10))
-    assert out.exists() and len(ds) == 10 and ds[0]["id"] == "tinystories_0"
+def test_the_shipped_default_is_the_builders_output(tmp_path):
+    """data/tinystories/tinystories_sharegpt.jsonl is exactly what the builder writes with its defaults."""
+    out = tmp_path / "ts.jsonl"
+    build_tinystories_conversations(out)
+    assert out.read_bytes() == tinystories.SHIPPED.read_bytes()
+
+
+def test_loading_the_default_reads_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in tinystories.SHIPPED.parent.iterdir()}
+    ds, _ = load_conversations(DataConfig(limit=10))
+    assert len(ds) == 10 and ds[0]["id"] == "tinystories_0"
+    assert {p: p.stat().st_mtime_ns for p in tinystories.SHIPPED.parent.iterdir()} == before
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,79 @@
+"""Config plumbing: where the shipped configs and data live, path resolution, DictConfig -> dataclass.
+
+The repository's `conf/` (Hydra configs) and `data/` (the embedded target, TinyStories, the benchmark
+question sets, small ShareGPT files; see data/README.md) ship inside the package: a wheel carries them as
+`eagle_train/conf` and `eagle_train/assets` (pyproject's package-dir), a source checkout or editable
+install reads them from the repository beside the package. Shipped data is named in YAML as
+`${data:models/stories260K}`; nothing is looked up relative to the current directory, and nothing
+outside the package or the repository is read unless a path says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _shipped(in_wheel: str, in_repo: str) -> Path:
+    """A shipped folder: inside the installed package (wheel), else beside it in the repository."""
+    inside = PACKAGE_DIR / in_wheel
+    return inside if inside.is_dir() else PACKAGE_DIR.parent / in_repo
+
+
+CONF_DIR = _shipped("conf", "conf")
+DATA_DIR = _shipped("assets", "data")
+DATA_PREFIX = "${data:"
+
+T = TypeVar("T")
+
+
+def data_path(rel: str = "") -> Path:
+    """A shipped data file or folder, e.g. data_path("models/stories260K")."""
+    return DATA_DIR / rel
+
+
+def expand_data_ref(path: str) -> str:
+    """`${data:REL}` (the Hydra resolver, here for a dataclass built without Hydra) -> an absolute path."""
+    if path.startswith(DATA_PREFIX) and path.endswith("}"):
+        return str(data_path(path[len(DATA_PREFIX) : -1]))
+    return path
+
+
+def resolve_path(path: str | Path | None) -> Path | None:
+    """A user-given path: `~` expanded, `${data:...}` expanded, relative paths against the current
+    directory (made absolute when they exist). None or "" -> None."""
+    if path is None or str(path) == "":
+        return None
+    p = Path(expand_data_ref(str(path))).expanduser()
+    return p.resolve() if p.exists() else p
+
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("data"):
+        # ${data:models/stories260K} -> the shipped data folder's file (absolute path)
+        OmegaConf.register_new_resolver("data", lambda rel="": str(data_path(rel)))
+
+
+_register_resolvers()
+
+
+def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
+    """Validate `cfg` against the dataclass `schema` (unknown keys and wrong types raise) and return
+    the dataclass instance. `__post_init__` cross-field checks run here."""
+    structured = OmegaConf.structured(schema)
+    merged = OmegaConf.merge(structured, cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def config_hash(obj: Any, length: int = 16) -> str:
+    """A stable short hash of a dataclass or mapping (sorted JSON)."""
+    data = asdict(obj) if is_dataclass(obj) else obj
+    blob = json.dumps(data, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]

@@ -1,0 +1,37 @@
+"""Export of a trained head to a serving engine's layout (`python -m eagle_train.export`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXPORT_FORMATS = ("vllm", "sglang", "eagle")
+FC_BIAS_POLICIES = ("fold", "refuse")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ExportConfig:
+    """Which checkpoint, which layout, where to."""
+
+    ckpt: str = ""  # this project's head checkpoint (model.safetensors + config.json from training)
+    format: str = "vllm"  # vllm | sglang | eagle (the SafeAILab/EAGLE reference's pytorch_model.bin layout)
+    out: str = ""  # output directory (written atomically, replaced if it exists)
+    # vLLM's EAGLE fc has no bias: fold = move a trained fc bias exactly into layer 0's attention biases;
+    # refuse = stop with an error (then train with draft.fc_bias=false).
+    fc_bias: str = "fold"
+    dtype: str | None = None  # float32 | bfloat16 | float16 for the written tensors; null = the checkpoint's
+    target_id: str | None = None  # target id written into config.json; null = the one the checkpoint records
+    max_len: int | None = None  # training maximum length written into config.json; null = the recorded one
+    # Where format=eagle reads the target's input embedding (the reference loads it from the head's file);
+    # null = the target source the checkpoint records.
+    target_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in EXPORT_FORMATS:
+            raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {self.format!r}")
+        if self.fc_bias not in FC_BIAS_POLICIES:
+            raise ValueError(f"fc_bias must be one of {FC_BIAS_POLICIES}, got {self.fc_bias!r}")
+        if self.dtype is not None and self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype must be one of {EXPORT_DTYPES} or null, got {self.dtype!r}")
+        if self.max_len is not None and self.max_len <= 1:
+            raise ValueError(f"max_len must be > 1, got {self.max_len}")

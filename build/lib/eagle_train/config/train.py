@@ -1,0 +1,121 @@
+"""Stage 2, `accelerate launch train.py`: train the EAGLE draft head on target features.
+
+Defaults follow the reference recipe where it makes sense for a 7B target;
+`conf/experiment/stories260k_cpu.yaml` is the CPU-sized preset for the embedded tiny target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eagle_train.config.data import DataConfig
+from eagle_train.config.draft import DraftConfig
+from eagle_train.config.target import TargetConfig
+
+SOURCES = ("offline", "online")
+SCHEDULES = ("constant", "linear", "cosine")
+CLIPS = ("norm", "value", "none")
+NOISE_MODES = ("uniform", "length_scaled", "none")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+
+
+@dataclass
+class TrainDataConfig(DataConfig):
+    """The conversations (online mode) or just the held-out share (offline mode: the store's ids)."""
+
+    source: str = (
+        "offline"  # offline: features from the store at `features` | online: the target runs in training
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup then decay, gradient clipping."""
+
+    lr: float = 3e-5  # peak learning rate (reference, 7B targets; ~1e-3 for stories260K)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 2000  # linear warmup from 0 to lr over this many optimizer steps
+    schedule: str = "linear"  # after warmup: constant | linear (to min_lr_ratio * lr) | cosine
+    min_lr_ratio: float = 0.0  # final lr as a share of lr (linear and cosine)
+    clip: str = "value"  # gradient clipping: norm | value | none (reference: value 0.5)
+    clip_value: float = 0.5  # the max norm (clip=norm) or the max absolute value (clip=value)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.clip not in CLIPS:
+            raise ValueError(f"optim.clip must be one of {CLIPS}, got {self.clip!r}")
+        if self.lr <= 0 or self.warmup_steps < 0 or len(self.betas) != 2:
+            raise ValueError(f"optim: need lr > 0, warmup_steps >= 0, two betas; got {self}")
+
+
+@dataclass
+class LossConfig:
+    """w_v * SmoothL1(features) + w_p * CE(tokens); noise on the input features."""
+
+    w_v: float = 1.0  # weight of the feature regression (SmoothL1)
+    w_p: float = 0.1  # weight of the token cross entropy
+    soft: bool = (
+        True  # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
+    )
+    noise: str = "uniform"  # uniform U(-scale, scale) | length_scaled (reference code) | none
+    noise_scale: float = 0.1  # noise amplitude
+
+    def __post_init__(self) -> None:
+        if self.noise not in NOISE_MODES:
+            raise ValueError(f"loss.noise must be one of {NOISE_MODES}, got {self.noise!r}")
+
+
+@dataclass
+class TrainConfig:
+    """One training run: data, model, optimisation, checkpoints and metrics."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
+    draft: DraftConfig = field(default_factory=DraftConfig)  # head shape (draft.path: initial weights)
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)  # online data / held-out share
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule
+    loss: LossConfig = field(default_factory=LossConfig)  # loss terms and noise
+    features: str | None = None  # feature store directory (offline mode)
+    out_dir: str = "runs/train/${target.name}"  # run directory: checkpoints/, final/, metrics.jsonl
+    resume: str = "auto"  # auto: continue from the newest full checkpoint in out_dir | never
+    seed: int = 0  # seeds the head init, batch order and noise
+    max_steps: int | None = None  # optimizer steps; null = `epochs` full passes
+    epochs: int = 20  # passes over the training split when max_steps is null (reference: 20)
+    stop_at_step: int | None = None  # stop early after this step (schedule still follows max_steps)
+    max_tokens: int = 8192  # padded tokens per micro-batch per process (reference: 4 x 2048)
+    max_batch_size: int | None = 4  # most sequences per micro-batch (reference: 4 per GPU)
+    bucket: bool = True  # length-bucketed micro-batches (False: shuffled, cut in order)
+    grad_accum: int = 1  # micro-batches per process per optimizer step
+    mixed_precision: str = (
+        "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
+    )
+    log_every: int = 10  # optimizer steps between metric lines
+    eval_every: int = 500  # optimizer steps between held-out evaluations (0 = only at the end)
+    eval_max_samples: int | None = 256  # held-out sequences evaluated (null = all)
+    eval_depth: int = 5  # chain length K for k-step accuracy and the simulated acceptance length
+    save_every: int = 1000  # optimizer steps between checkpoints (0 = only the final one)
+    keep_last: int = 3  # full checkpoints kept in out_dir/checkpoints
+    wandb: bool = False  # also log to wandb (accelerate tracker; WANDB_MODE=offline unless set)
+    wandb_project: str = "eagle-train"  # wandb project name
+    progress: bool = True  # tqdm progress bar on the main process
+
+    def __post_init__(self) -> None:
+        if self.data.source == "offline" and not self.features:
+            raise ValueError(
+                "offline training needs `features=DIR` (a store from `python -m eagle_train.extract`)"
+            )
+        if self.resume not in ("auto", "never"):
+            raise ValueError(f"resume must be auto or never, got {self.resume!r}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or null, got {self.max_steps}")
+        if self.grad_accum < 1 or self.max_tokens < 1 or self.eval_depth < 1 or self.keep_last < 1:
+            raise ValueError("grad_accum, max_tokens, eval_depth and keep_last must be >= 1")

@@ -1,0 +1,1 @@
+"""Data: ShareGPT loading and normalisation, chat templates with assistant loss masks, batching."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees (tree, expand), verification (verify), the decoder (decoder)."""

@@ -1,0 +1,113 @@
+"""The draft head at decode time: its KV cache, the per-round catch-up pass and the tree draft step.
+
+The head's input at position j is the pair (f_j, t_{j+1}); its output f^_{j+1} gives the draft
+distribution of t_{j+2}. Committed cache slots hold pairs built from the TARGET's features of accepted
+tokens. Each round starts with `catch_up`: the pairs of last round's accepted tokens + bonus token,
+whose features the verification forward already produced (no extra target forward). Its last output is
+the root's draft state. Tree inputs then go after the committed slots (`__call__`, the `DraftStep` of
+`decoding.expand`) and are dropped at the next catch-up. A decoder keeps one `Drafter` for all its generations
+(`reset`): buffers grow when needed, the fused weights of the lean forward are built once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle_train.decoding import lean_draft
+from eagle_train.decoding.stats import GenerationStats
+from eagle_train.kv_cache import StaticKVCache
+
+
+class Drafter:
+    """Runs a draft head (see `eagle_train.modeling.draft.DraftHead`) with a preallocated cache. Its calls
+    run under the caller's `torch.inference_mode()` (the decoder's): no autograd context of their own."""
+
+    def __init__(self, head, capacity: int, max_tree_inputs: int, stats: GenerationStats, lean: bool = True):
+        config = head.config
+        param = next(head.parameters())
+        self.head, self.max_tree_inputs = head, max_tree_inputs
+        self.device, self.dtype = param.device, param.dtype
+        heads = int(config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        # Row i: the output of tree input i (the root's draft state is `self.root`, set by `catch_up`).
+        self.hidden = torch.zeros(
+            max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device
+        )
+        self.root = self.hidden[:1]
+        # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
+        self.lean = lean_draft.LeanDraft(head, 0) if lean and lean_draft.supports(head) else None
+        self.capacity = -1
+        self.reset(capacity, stats)
+
+    def reset(self, capacity: int, stats: GenerationStats) -> None:
+        """Start a new generation of at most `capacity` committed pairs. The cache, mask and position
+        buffers (and the lean forward's fused weights) are kept when they are big enough."""
+        self.stats = stats
+        self.committed = 0  # pairs in the cache = position of the root token
+        self.fed = 0  # tree inputs fed this round
+        if capacity <= self.capacity:
+            self.cache.crop(0)
+            self.mask.fill_(True)  # a generation may end with a tree region written
+            return
+        self.capacity = capacity
+        total = capacity + self.max_tree_inputs
+        layers = int(self.head.config.num_hidden_layers)
+        self.cache = StaticKVCache(
+            layers, self.kv_heads, self.head_dim, total, dtype=self.dtype, device=self.device
+        )
+        self.mask = torch.ones(max(1, self.max_tree_inputs), total, dtype=torch.bool, device=self.device)
+        self.mask4 = self.mask[None, None]  # [1, 1, rows, total]: the view the forward takes slices of
+        self.positions = torch.arange(total + 1, device=self.device)
+        if self.lean is not None:
+            self.lean.extend_positions(total + 1)
+
+    def _forward(self, tokens, features, positions: slice, mask, last_only: bool = False):
+        """positions: a slice of positions, one per input or one for all inputs. Returns the predicted
+        features [m, hidden] and the draft log-probs [m, vocab] (of the last input only: [1, vocab])."""
+        t0 = time.perf_counter()
+        if self.lean is not None:
+            hidden = self.lean.forward(tokens, features, positions, mask, self.cache)
+            logp = self.lean.log_probs(hidden[-1:] if last_only else hidden)
+        else:
+            pos = self.positions[positions].expand(tokens.shape[0]).unsqueeze(0)
+            hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), pos, mask, self.cache)[0]
+            logp = torch.log_softmax(self.head.logits(hidden[-1:] if last_only else hidden).float(), dim=-1)
+        self.stats.time_draft_forward += time.perf_counter() - t0
+        return hidden, logp
+
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Commit pairs (features[i], tokens[i]) at the next positions; tokens [m], features [m, hidden]
+        (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1])."""
+        self.cache.crop(self.committed)
+        if self.fed:  # last round's tree region becomes committed columns: attend to them
+            self.mask[:, self.committed :].fill_(True)
+        m = tokens.shape[0]
+        positions = slice(self.committed, self.committed + m)
+        hidden, logp = self._forward(
+            tokens, features.to(self.dtype), positions, None, last_only=True
+        )  # None = causal
+        self.cache.advance(m)
+        self.committed += m
+        self.root = hidden[-1:]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
+        self.fed = 0
+        return logp[0]
+
+    def __call__(
+        self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int
+    ) -> torch.Tensor:
+        """The tree draft step (see `decoding.expand`): inputs at `depth` below the root."""
+        m, base = tokens.shape[0], self.committed
+        # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)
+        features = self.root.expand(m, -1) if depth == 1 else self.hidden[parents]
+        position = base - 1 + depth  # the pair (parent's draft state, token at position base + depth)
+        positions = slice(position, position + 1)  # the same for all m inputs
+        kv_end = base + self.fed + m
+        self.mask[:m, base:kv_end] = tree_mask  # the tree region (restored at the next catch-up)
+        hidden, logp = self._forward(tokens, features, positions, self.mask4[:, :, :m, :kv_end])
+        self.cache.advance(m)
+        self.hidden[self.fed : self.fed + m] = hidden
+        self.fed += m
+        return logp

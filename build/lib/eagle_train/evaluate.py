@@ -1,0 +1,224 @@
+"""Stage 3, `python -m eagle_train.evaluate draft.path=DIR bench=mt_bench` (`make eval`).
+
+Loads the target and a draft head (this project's checkpoint, an exported layout or a reference head),
+then answers every question of every benchmark with every method in turn (ar first: the baseline, timed
+in the same harness and the same run, interleaved with the others so load on the machine hits all
+alike). Multi-turn questions (mt_bench) are asked turn by turn, each method keeping its own earlier
+answers in context. Prompts longer than the context allows (target max length - max_new_tokens) keep
+their first token and their end. Writes to `out_dir`:
+
+    answers.jsonl    one record per (bench, question, turn, method): tokens, text, per-round statistics
+    report.json/.md  per bench and method: tau, acceptance by position, tokens/s, speedup, greedy identity
+    *.png            acceptance by position, tau histogram, calibration, speedup by benchmark
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.data.prompts import Question, bench_name, load_questions
+from eagle_train.data.render import ChatRenderer
+from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.stats import GenerationStats
+from eagle_train.files import atomic_write_lines
+from eagle_train.modeling.interop import load_draft
+from eagle_train.modeling.target import Target, load_target
+from eagle_train.report import BASELINE, markdown_table, write_report
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; anything else as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_decoders(cfg: EvaluateConfig, target: Target) -> dict[str, SpeculativeDecoder]:
+    """One decoder per method (ar first when present); the head is loaded once if any method needs it."""
+    needs_head = any(m not in ("ar", "hf") for m in cfg.methods)
+    head = load_draft(cfg.draft.path, target) if needs_head else None
+    methods = sorted(cfg.methods, key=lambda m: m != BASELINE)
+    return {m: SpeculativeDecoder(target, head, dataclasses.replace(cfg.decode, method=m)) for m in methods}
+
+
+def fit_prompt(ids: list[int], limit: int) -> tuple[list[int], int]:
+    """Keep the first token (BOS / template start) and the last `limit - 1` tokens; return (ids, tokens cut)."""
+    if len(ids) <= limit:
+        return ids, 0
+    return ids[:1] + ids[len(ids) - (limit - 1) :], len(ids) - limit
+
+
+def calibration_pairs(stats: GenerationStats, method: str) -> list[list[float]]:
+    """[confidence, accepted] of the draft nodes whose parent was accepted (so the node was really tested).
+
+    Chains: node k is tested when the round accepted k-1. Trees: depth-1 nodes (their parent is the
+    root); deeper ones only if the stats say whether their parent was accepted."""
+    parent_ok = getattr(stats, "node_parent_accepted", None)
+    pairs, start = [], 0
+    for accepted, size in zip(stats.accepted_per_round, stats.tree_size_per_round, strict=True):
+        end = start + size - 1  # nodes of this round, root excluded
+        for i in range(start, min(end, len(stats.node_confidence))):
+            depth = stats.node_depth[i]
+            tested = (
+                parent_ok[i] if parent_ok else (depth <= accepted + 1 if method == "chain" else depth == 1)
+            )
+            if tested:
+                pairs.append([stats.node_confidence[i], int(stats.node_accepted[i])])
+        start = end
+    return pairs
+
+
+def answer_record(result, method: str, wall_s: float) -> dict:
+    """The statistics part of an answers.jsonl record."""
+    stats = result.stats
+    rounds = stats.accepted_per_round
+    return {
+        "method": method,
+        "new_tokens": len(result.tokens),
+        "wall_s": wall_s,
+        "stop_reason": result.stop_reason,
+        # plain decoding: every token is a round of one; speculative: accepted drafts + 1 per round
+        "accept_lengths": [a + 1 for a in rounds] if rounds else [1] * len(result.tokens),
+        "draft_depths": list(stats.tree_depth_per_round) if rounds else [0] * len(result.tokens),
+        "confidence": calibration_pairs(stats, method),
+        "time_draft": stats.time_draft,
+        "time_verify": stats.time_verify,
+        "time_target_forward": stats.time_target_forward,
+        "time_draft_forward": stats.time_draft_forward,
+        "tokens": result.tokens,
+    }
+
+
+def answer_question(
+    decoders: dict[str, SpeculativeDecoder], renderer: ChatRenderer, question: Question, prompt_limit: int
+) -> list[dict]:
+    """Answer every turn of `question` with every method; each method keeps its own answers in context."""
+    tokenizer = renderer.tokenizer
+    history = {m: [] for m in decoders}  # method -> messages so far
+    records = []
+    for turn, text in enumerate(question.turns):
+        for method, decoder in decoders.items():
+            history[method].append({"role": "user", "content": text})
+            ids, cut = fit_prompt(renderer.render_prompt(history[method]), prompt_limit)
+            start = time.perf_counter()
+            result = decoder.generate(ids)
+            wall = time.perf_counter() - start
+            answer = tokenizer.decode(result.tokens, skip_special_tokens=True)
+            history[method].append({"role": "assistant", "content": answer})
+            record = {
+                "question_id": question.question_id,
+                "category": question.category,
+                "turn": turn,
+                "prompt_tokens": len(ids),
+                "prompt_cut": cut,
+                **answer_record(result, method, wall),
+            }
+            record["text"] = answer
+            records.append(record)
+    return mark_identity(records, greedy=next(iter(decoders.values())).cfg.temperature == 0)
+
+
+def mark_identity(records: list[dict], greedy: bool) -> list[dict]:
+    """Set `identical` on each greedy non-baseline record: its tokens equal ar's for the same turn
+    (None: the baseline, no ar in the run, or sampling, where answers legitimately differ)."""
+    baseline = {r["turn"]: r["tokens"] for r in records if r["method"] == BASELINE}
+    for r in records:
+        checked = greedy and r["method"] != BASELINE and r["turn"] in baseline
+        r["identical"] = r["tokens"] == baseline[r["turn"]] if checked else None
+    return records
+
+
+def evaluate_bench(bench: str, cfg: EvaluateConfig, decoders, renderer, prompt_limit: int) -> list[dict]:
+    """All records of one benchmark (decoded once untimed for `cfg.warmup` questions first)."""
+    name = bench_name(bench)
+    questions = load_questions(bench, cfg.num_questions, cfg.max_turns)
+    for question in questions[: cfg.warmup]:
+        answer_question(decoders, renderer, Question(question.question_id, question.turns[:1]), prompt_limit)
+    records = []
+    bar = tqdm(questions, desc=f"eval {name}", unit="q", disable=not cfg.progress)
+    for question in bar:
+        for r in answer_question(decoders, renderer, question, prompt_limit):
+            records.append({"bench": name, **r})
+        bar.set_postfix(tau=_running_tau(records))
+    return records
+
+
+def _running_tau(records: list[dict]) -> str:
+    lengths = [x for r in records if r["method"] != BASELINE for x in r["accept_lengths"]]
+    return f"{sum(lengths) / len(lengths):.2f}" if lengths else "-"
+
+
+def write_answers(records: list[dict], path: Path) -> None:
+    """answers.jsonl, written to a temporary name then renamed."""
+    atomic_write_lines(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds: float) -> dict:
+    """The run settings shown at the top of the report."""
+    decode = {k: v for k, v in dataclasses.asdict(cfg.decode).items() if k not in ("method", "tree_paths")}
+    return {
+        "target": f"{cfg.target.name} ({target.source})",
+        "draft": cfg.draft.path,
+        "benchmarks": ", ".join(bench_name(b) for b in cfg.bench),
+        "methods": ", ".join(cfg.methods),
+        "temperature": cfg.decode.temperature,
+        "decode": json.dumps(decode),
+        "num_questions": cfg.num_questions,
+        "device": f"{device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "eval_seconds": round(seconds, 1),
+    }
+
+
+def run(cfg: EvaluateConfig) -> dict:
+    """Evaluate the head on every benchmark with every method; write answers, report and plots."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    device = pick_device(cfg.device)
+    start = time.perf_counter()
+    target = load_target(cfg.target, device)
+    decoders = make_decoders(cfg, target)
+    renderer = ChatRenderer(target.tokenizer, cfg.target, target.max_len)
+    prompt_limit = target.max_len - cfg.decode.max_new_tokens
+    if prompt_limit < 2:
+        raise ValueError(
+            f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
+            f"{cfg.target.name}'s context of {target.max_len} tokens"
+        )
+    records = [r for bench in cfg.bench for r in evaluate_bench(bench, cfg, decoders, renderer, prompt_limit)]
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_answers(records, out / "answers.jsonl")
+    meta = run_meta(cfg, target, device, time.perf_counter() - start)
+    report = write_report(records, out, meta, min_rounds=cfg.min_rounds, plots=cfg.plots)
+    cut = sum(1 for r in records if r["prompt_cut"])
+    if cut:
+        log.warning("%d prompts were longer than the context allows and were cut (see prompt_cut)", cut)
+    print(markdown_table(report["results"]))
+    for note in report["sanity"]:
+        print(f"WARNING: {note}")
+    print(f"report: {out / 'report.md'}")
+    return report
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(to_schema(cfg, EvaluateConfig))
+
+
+if __name__ == "__main__":
+    main()

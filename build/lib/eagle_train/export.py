@@ -1,0 +1,91 @@
+"""Stage: export a trained head to the layout vLLM, SGLang or the EAGLE reference loads.
+
+    python -m eagle_train.export ckpt=runs/<run>/head format=vllm out=exports/<name>
+
+The output directory (config.json + model.safetensors, or pytorch_model.bin for format=eagle) is
+written atomically; config.json carries the target's id and the training maximum length in its
+`eagle_train` block. Layout details and the loaders they were checked against: eagle_train/modeling/interop.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from eagle_train.config.base import CONF_DIR, resolve_path, to_schema
+from eagle_train.config.export import ExportConfig
+from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
+from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
+from eagle_train.modeling.target import torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_dir(ckpt: str) -> Path:
+    """The checkpoint directory, with a clear error when it or its files are missing."""
+    if not ckpt:
+        raise ValueError("export: set ckpt=DIR (a head checkpoint written by training)")
+    path = resolve_path(ckpt)
+    if path is None or not Path(path).is_dir():
+        raise FileNotFoundError(f"export: checkpoint directory {ckpt} does not exist")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (Path(path) / name).is_file():
+            raise FileNotFoundError(f"export: checkpoint {path} has no {name}")
+    return Path(path)
+
+
+def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
+    """The `eagle_train` block: target id, target source, training max length, where it came from."""
+    name, source = recorded_target(meta)
+    if isinstance(meta.get("target"), dict):
+        meta = {**meta, "target_config_hash": meta["target"].get("config_hash")}
+    target_id = cfg.target_id or name
+    max_len = cfg.max_len or meta.get("max_len")
+    if target_id is None or max_len is None:
+        log.warning("checkpoint %s records no target id or max_len; set target_id=... max_len=...", ckpt)
+    return {
+        **meta,
+        "target": target_id,
+        "target_source": source,
+        "max_len": max_len,
+        "source_checkpoint": str(ckpt),
+        "note": f"trained on sequences of at most {max_len} tokens; expect lower acceptance beyond that",
+    }
+
+
+def run(cfg: ExportConfig) -> Path:
+    """Export `cfg.ckpt` to `cfg.out` in `cfg.format`; returns the output directory."""
+    if not cfg.out:
+        raise ValueError("export: set out=DIR (the directory to write)")
+    ckpt = checkpoint_dir(cfg.ckpt)
+    head, meta = load_head(ckpt)
+    meta = export_meta(meta, cfg, ckpt)
+    embed = None
+    if cfg.format == "eagle":
+        source = cfg.target_path or meta.get("target_source")
+        if not source:
+            raise ValueError(f"export format=eagle: {ckpt} records no target source; set target_path=...")
+        embed = load_input_embedding(resolve_path(source) or source)
+    out = export_head(
+        head,
+        cfg.format,
+        resolve_path(cfg.out) or Path(cfg.out),
+        meta=meta,
+        embed_tokens=embed,
+        dtype=torch_dtype(cfg.dtype) if cfg.dtype else None,
+        fold_bias=cfg.fc_bias == "fold",
+    )
+    log.info("exported %s -> %s (format=%s)", ckpt, out, cfg.format)
+    return out
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(to_schema(cfg, ExportConfig))
+
+
+if __name__ == "__main__":
+    main()

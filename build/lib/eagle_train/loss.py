@@ -1,0 +1,123 @@
+"""The EAGLE training objective as pure tensor functions (torch only).
+
+A sequence of tokens t_0..t_{L-1} with target features f_0..f_{L-1} (f_j = the target's last hidden
+state at j, the LM head's input, predicting t_{j+1}) gives L-1 head positions j = 0..L-2:
+
+    input (f_j, t_{j+1})  ->  regression target f_{j+1},  token target t_{j+2}
+
+and position j is trained iff the token it predicts, t_{j+2}, lies in an assistant reply
+(loss_mask[j + 2] in sequence indexing; the reference's unshifted mask is EAGLE issue #317).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NOISE_MODES = ("uniform", "length_scaled", "none")
+
+
+def shift_sequence(
+    input_ids: torch.Tensor,  # [L] t_0..t_{L-1}
+    loss_mask: torch.Tensor,  # [L] bool, True where t_i is an assistant token
+    hidden: torch.Tensor,  # [L, d] f_0..f_{L-1}
+) -> dict[str, torch.Tensor]:
+    """One sequence's head inputs and targets, all of length L-1 (head position j).
+
+    input_ids t_{j+1}, features f_j, target_hidden f_{j+1}, target_ids t_{j+2} (0 past the end),
+    loss_mask mask[j+2] (False past the end).
+    """
+    if input_ids.ndim != 1 or input_ids.shape[0] < 2:
+        raise ValueError(f"need a 1-D sequence of at least 2 tokens, got shape {tuple(input_ids.shape)}")
+    n = input_ids.shape[0] - 1
+    target_ids = torch.zeros(n, dtype=torch.long)
+    target_ids[: n - 1] = input_ids[2:]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[: n - 1] = loss_mask[2:].bool()
+    return {
+        "input_ids": input_ids[1:].long(),  # [n] t_{j+1}
+        "features": hidden[:-1],  # [n, d] f_j
+        "target_hidden": hidden[1:],  # [n, d] f_{j+1}
+        "target_ids": target_ids,  # [n] t_{j+2}
+        "loss_mask": mask,  # [n] mask[j+2]
+    }
+
+
+def add_feature_noise(
+    features: torch.Tensor,  # [batch, seq, hidden]
+    mode: str = "uniform",
+    scale: float = 0.1,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Noise on the head's INPUT features (never on the regression target, never at evaluation).
+
+    uniform: f + U(-scale, scale) (the paper). length_scaled: the reference's
+    (rand - 0.5) * 2 * scale * 512 / seq, i.e. U(+-scale) only at sequence length 512.
+    """
+    if mode == "none" or scale == 0:
+        return features
+    if mode not in NOISE_MODES:
+        raise ValueError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
+    u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
+    amplitude = scale * (512.0 / features.shape[1] if mode == "length_scaled" else 1.0)
+    return features + ((u - 0.5) * 2.0 * amplitude).to(features.dtype)
+
+
+def eagle_loss_sums(
+    pred_hidden: torch.Tensor,  # [batch, seq, hidden] f^_{j+1}
+    target_hidden: torch.Tensor,  # [batch, seq, hidden] f_{j+1}
+    lm_head_weight: torch.Tensor,  # [vocab, hidden], the target's frozen LM head
+    target_ids: torch.Tensor,  # [batch, seq] t_{j+2}
+    loss_mask: torch.Tensor,  # [batch, seq] bool
+    soft: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Per-term SUMS over the masked positions (divide by a token count to average).
+
+    smooth_l1: SmoothL1(f^, f) averaged over the hidden dimension. ce: cross entropy of the draft
+    distribution softmax(lm_head(f^)) against softmax(lm_head(f)) (soft) or the token t_{j+2} (hard).
+    correct: positions where the draft's top-1 equals the target's greedy token argmax(lm_head(f)).
+    Only the masked positions go through the LM head, so a large vocabulary costs little memory.
+    """
+    mask = loss_mask.bool()
+    pred = pred_hidden[mask].float()  # [N, hidden]
+    target = target_hidden[mask].float()  # [N, hidden]
+    weight = lm_head_weight.float()
+    smooth_l1 = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).sum()
+    draft_logp = torch.log_softmax(pred @ weight.T, dim=-1)  # [N, vocab]
+    with torch.no_grad():
+        target_logits = target @ weight.T  # [N, vocab]
+    if soft:
+        ce = -(torch.softmax(target_logits, dim=-1) * draft_logp).sum(-1).sum()
+    else:
+        ce = F.nll_loss(draft_logp, target_ids[mask], reduction="sum")
+    correct = (draft_logp.argmax(-1) == target_logits.argmax(-1)).sum().detach()
+    return {"smooth_l1": smooth_l1, "ce": ce, "correct": correct.float(), "tokens": mask.sum().float()}
+
+
+def combine_terms(
+    sums: dict[str, torch.Tensor], num_tokens: float | torch.Tensor, w_v: float = 1.0, w_p: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """Averages over `num_tokens` masked positions and the total w_v * SmoothL1 + w_p * CE.
+
+    Pass the global token count of the optimizer step (all micro-batches, all processes) so every
+    position weighs the same however the batch is split.
+    """
+    denom = torch.clamp(torch.as_tensor(num_tokens, dtype=torch.float32), min=1.0)
+    smooth_l1 = sums["smooth_l1"] / denom
+    ce = sums["ce"] / denom
+    return {"loss": w_v * smooth_l1 + w_p * ce, "smooth_l1": smooth_l1, "ce": ce}
+
+
+def eagle_loss(
+    pred_hidden: torch.Tensor,
+    target_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    w_v: float = 1.0,
+    w_p: float = 0.1,
+    soft: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The EAGLE loss averaged over this batch's masked positions: named terms loss, smooth_l1, ce."""
+    sums = eagle_loss_sums(pred_hidden, target_hidden, lm_head_weight, target_ids, loss_mask, soft)
+    return combine_terms(sums, sums["tokens"], w_v, w_p)

@@ -1,0 +1,182 @@
+"""The EAGLE draft head.
+
+h = fc(cat[e(t_{j+1}), f_j]) -> Llama decoder layer(s) -> predicted feature f^_{j+1}.
+Layer 0 has no input norm (the identity), the head has no final norm; the token embedding and the
+LM head are the target's, frozen and shared (never trained, never saved with the head).
+Key names follow the serving contract: fc.*, layers.N.self_attn.{q,k,v,o}_proj, layers.N.mlp.*,
+layers.N.post_attention_layernorm (+ layers.N.input_layernorm for N >= 1).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+# Fields of a target config that shape the draft's Llama layer.
+_LLAMA_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+class KVCache(Protocol):
+    """What the draft's attention needs from a cache: append this step's keys/values for one layer
+    and return the layer's keys/values so far ([batch, kv_heads, seq, head_dim])."""
+
+    def update(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def draft_llama_config(target_config: PretrainedConfig, num_layers: int = 1) -> LlamaConfig:
+    """The draft's Llama config: the target's shapes and RoPE with `num_layers` layers."""
+    src = target_config.to_dict()
+    kwargs = {k: src[k] for k in _LLAMA_FIELDS if k in src and src[k] is not None}
+    if "head_dim" not in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+    config = LlamaConfig(**kwargs, num_hidden_layers=num_layers, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+class DraftAttention(nn.Module):
+    """Grouped-query self-attention with RoPE and an optional external KV cache."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [batch, q_len, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,  # bool [batch|1, 1, q_len, kv_len], True = attend
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = x.shape
+        q = self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if attention_mask is None and q_len > 1:
+            if k.shape[2] == q_len:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # new tokens after a cached prefix: causal with an offset
+                offset = k.shape[2] - q_len
+                mask = torch.ones(q_len, k.shape[2], dtype=torch.bool, device=x.device).tril(offset)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DraftDecoderLayer(nn.Module):
+    """A Llama decoder layer; layer 0 has no input norm (EAGLE: the fc output goes in directly)."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        if layer_idx > 0:
+            self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, layer_idx)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos_sin, attention_mask=None, cache=None) -> torch.Tensor:
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        x = x + self.self_attn(h, cos_sin, attention_mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftHead(nn.Module):
+    """fc over [embedding ; feature] + decoder layer(s); frozen shared embedding and LM head."""
+
+    def __init__(self, config: LlamaConfig, fc_bias: bool = True):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=fc_bias)
+        self.layers = nn.ModuleList(DraftDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        # The target's, frozen: filled by `share_target_weights`, excluded from `trainable_state_dict`.
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @classmethod
+    def from_target(
+        cls, target_config: PretrainedConfig, num_layers: int = 1, fc_bias: bool = True
+    ) -> DraftHead:
+        return cls(draft_llama_config(target_config, num_layers), fc_bias=fc_bias)
+
+    @torch.no_grad()
+    def share_target_weights(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Copy the target's embedding and LM head into the frozen slots."""
+        self.embed_tokens.weight.copy_(embed_tokens.weight.to(self.embed_tokens.weight.dtype))
+        self.lm_head.weight.copy_(lm_head.weight.to(self.lm_head.weight.dtype))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's own weights in the serving key layout (no embedding, no LM head, no RoPE buffers)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layers."))}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [batch, seq]: t_{j+1}
+        features: torch.Tensor,  # [batch, seq, hidden]: f_j
+        position_ids: torch.Tensor | None = None,  # [batch, seq]; default 0..seq-1 (+ cache offset)
+        attention_mask: torch.Tensor | None = None,  # bool [batch|1, 1, seq, kv_len]; None = causal
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Predicted features f^_{j+1} [batch, seq, hidden]."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids).to(features.dtype), features], dim=-1))
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        cos_sin = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            x = layer(x, cos_sin, attention_mask, cache)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the target's LM head: [..., hidden] -> [..., vocab]."""
+        return self.lm_head(hidden)

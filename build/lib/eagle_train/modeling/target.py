@@ -1,0 +1,232 @@
+"""The frozen target model behind one adapter.
+
+`load_target` loads any Hugging Face causal LM (local directory or hub id) frozen and in eval mode;
+`Target.features` returns the logits and the last hidden state, the LM head's input (EAGLE's feature
+f_j). This module and `draft.py` are the only importers of `transformers` in the package.
+
+Decode time (used by `eagle_train.decoding.decoder`): `Target.new_cache` preallocates a `StaticKVCache`;
+`Target.decode` runs the stock model on new tokens with explicit position ids and a 4-D boolean
+attention mask (True = attend; converted to an additive float mask for eager attention) against that
+cache, writing the new keys/values after the committed slots. A prefill is `decode` with a causal mask,
+a tree verification is `decode` with the tree mask and positions prefix + depth; the caller then keeps
+the accepted path with `StaticKVCache.compact`. No patched modeling code: the cache reaches the model
+through `HFCacheView`, which speaks the `Cache.update(key, value, layer_idx)` call of the attention layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from eagle_train.config.base import resolve_path
+from eagle_train.config.target import TargetConfig
+from eagle_train.kv_cache import StaticKVCache
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name to a torch dtype."""
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+def target_source(cfg: TargetConfig) -> str:
+    """The path or hub id the target is loaded from (a relative local path is resolved)."""
+    local = resolve_path(cfg.path)
+    return str(local) if local is not None and Path(local).exists() else cfg.path
+
+
+@dataclass
+class Target:
+    """A frozen causal LM with its tokenizer. `model` is the stock Hugging Face model."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    cfg: TargetConfig
+    source: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence the target (and so the head) is used on."""
+        limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or 2**31
+        return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The base transformer (embeddings + layers + final norm), without the LM head."""
+        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids of the tokenizer and generation config plus the config's extra stop ids."""
+        ids: list[int] = list(self.cfg.stop_token_ids)
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            for i in source if isinstance(source, list) else [source]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target on a (right- or left-padded) batch.
+
+        input_ids, attention_mask: [batch, seq]. Returns (logits [batch, seq, vocab],
+        hidden [batch, seq, hidden]) where hidden is the last hidden state after the final norm,
+        i.e. logits == lm_head(hidden).
+        """
+        hidden = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        return self.lm_head(hidden), hidden
+
+    @torch.no_grad()
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Only the last hidden state [batch, seq, hidden] (cheaper: no vocabulary projection)."""
+        return self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        """A preallocated KV cache for one sequence of up to `capacity` tokens."""
+        config = self.model.config
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        return StaticKVCache(
+            int(config.num_hidden_layers), kv_heads, head_dim, capacity, dtype=self.dtype, device=self.device
+        )
+
+    @torch.no_grad()
+    def decode(
+        self,
+        input_ids: torch.Tensor,  # [1, q]: new tokens
+        position_ids: torch.Tensor,  # [1, q]: their positions (prefix length + depth for a tree)
+        attention_mask: torch.Tensor,  # bool [1, 1, q, cache.seq_len + q], True = attend
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One cached forward of the stock model over new tokens. Their keys/values are written after
+        the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
+        Returns (logits [1, q, vocab], hidden [1, q, hidden]); hidden is the feature f (after the norm)."""
+        if self.model.config._attn_implementation == "eager":
+            zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
+            attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
+        decoder, cache_kwarg, lm_head = self._decode_modules
+        kwargs = {cache_kwarg: HFCacheView(cache)}
+        out = decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state
+        return lm_head(hidden), hidden
+
+    @functools.cached_property
+    def _decode_modules(self) -> tuple[nn.Module, str, nn.Module]:
+        """(decoder, its cache keyword, LM head) for `decode`, looked up once: `get_decoder`, the
+        signature check and `get_output_embeddings` cost tens of microseconds per forward."""
+        decoder = self.decoder
+        return decoder, _cache_kwarg(type(decoder)), self.lm_head
+
+
+class HFCacheView:
+    """A `StaticKVCache` seen through the Hugging Face `Cache` calls the attention layers make."""
+
+    is_compileable = False
+
+    def __init__(self, cache: StaticKVCache):
+        self.cache = cache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.cache.update(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.seq_len
+
+
+@functools.cache
+def _cache_kwarg(decoder_type: type) -> str:
+    """`cache` in transformers >= 5.x (past_key_values is deprecated there), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(decoder_type.forward).parameters else "past_key_values"
+
+
+def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer (no model weights loaded)."""
+    return AutoTokenizer.from_pretrained(
+        target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+    )
+
+
+def load_target_config(cfg: TargetConfig):
+    """The target's Hugging Face config (no weights loaded)."""
+    return AutoConfig.from_pretrained(
+        target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+    )
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
+    """Load the target frozen, in eval mode, on `device` with the configured dtype."""
+    source = target_source(cfg)
+    dtype = "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.revision,
+        attn_implementation=cfg.attn_implementation,
+    )
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    tokenizer = load_tokenizer(cfg)
+    return Target(model=model, tokenizer=tokenizer, cfg=cfg, source=source)

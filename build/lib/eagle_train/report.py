@@ -1,0 +1,334 @@
+"""Evaluation reports: pure functions over answer records, a Markdown/JSON writer and PNG plots.
+
+An answer record (one line of answers.jsonl) is one turn of one question decoded by one method:
+
+    bench, method, question_id, turn       which answer
+    new_tokens, wall_s                     generated tokens and decode time (prompt encoding included)
+    accept_lengths: [int]                  tokens produced per target forward (accepted drafts + 1)
+    draft_depths: [int]                    per round, the deepest draft node offered (0 for ar)
+    confidence: [[float, 0|1]]             draft confidence (given its parent) of each draft token whose
+                                           parent was accepted, and whether it was accepted itself
+    tokens: [int], identical: bool|None    the answer, and (greedy) whether it equals ar's answer
+
+tau = mean accepted tokens per round (accepted + 1), over all rounds of a (bench, method). Acceptance at
+position k = P(draft token k accepted | tokens 1..k-1 accepted), over rounds that drafted k tokens.
+Speedup = the method's tokens/s over ar's tokens/s on the same benchmark, in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from eagle_train.files import atomic_path, atomic_write_json, atomic_write_text
+
+BASELINE = "ar"
+CALIBRATION_BINS = 10
+
+
+def group_records(records: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Records grouped by (bench, method), in first-seen order."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["bench"], r["method"])].append(r)
+    return dict(groups)
+
+
+def acceptance_by_position(records: list[dict]) -> list[float | None]:
+    """Conditional acceptance rate of draft positions 1..deepest (None where no round reached k-1)."""
+    rounds = [
+        (length - 1, depth)
+        for r in records
+        for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True)
+    ]
+    deepest = max((d for _, d in rounds), default=0)
+    rates: list[float | None] = []
+    for k in range(1, deepest + 1):
+        reached = [a for a, d in rounds if d >= k and a >= k - 1]  # rounds that offered k and accepted 1..k-1
+        rates.append(sum(a >= k for a in reached) / len(reached) if reached else None)
+    return rates
+
+
+def calibration(records: list[dict], bins: int = CALIBRATION_BINS) -> list[dict[str, float]]:
+    """Draft confidence binned into `bins` equal bins: mean confidence, acceptance rate and count per bin."""
+    sums = [[0.0, 0.0, 0] for _ in range(bins)]  # [confidence sum, accepted count, n]
+    for r in records:
+        for conf, ok in r.get("confidence", []):
+            b = min(int(conf * bins), bins - 1)
+            sums[b][0] += conf
+            sums[b][1] += float(ok)
+            sums[b][2] += 1
+    return [
+        {
+            "bin_low": i / bins,
+            "bin_high": (i + 1) / bins,
+            "confidence": s / n,
+            "accept_rate": a / n,
+            "count": n,
+        }
+        for i, (s, a, n) in enumerate(sums)
+        if n
+    ]
+
+
+def summarize_group(records: list[dict]) -> dict[str, Any]:
+    """Figures of one (bench, method): tau, acceptance by position, tokens/s, identity count."""
+    lengths = [x for r in records for x in r.get("accept_lengths", [])]
+    new_tokens = sum(r["new_tokens"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    checked = [r["identical"] for r in records if r.get("identical") is not None]
+    return {
+        "bench": records[0]["bench"],
+        "method": records[0]["method"],
+        "answers": len(records),
+        "questions": len({r["question_id"] for r in records}),
+        "rounds": len(lengths),
+        "new_tokens": new_tokens,
+        "wall_s": wall,
+        "tau": sum(lengths) / len(lengths) if lengths else None,
+        "tokens_per_s": new_tokens / wall if wall > 0 else None,
+        "acceptance_by_position": acceptance_by_position(records),
+        "identical": sum(checked) if checked else None,
+        "identity_checked": len(checked),
+        "prompts_cut": sum(1 for r in records if r.get("prompt_cut")),
+    }
+
+
+def summarize(records: list[dict]) -> list[dict[str, Any]]:
+    """One summary row per (bench, method), with speedup over the same benchmark's ar baseline."""
+    rows = [summarize_group(group) for group in group_records(records).values()]
+    baseline = {r["bench"]: r["tokens_per_s"] for r in rows if r["method"] == BASELINE}
+    for row in rows:
+        base = baseline.get(row["bench"])
+        row["speedup"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    return rows
+
+
+def sanity_checks(rows: list[dict], min_rounds: int, greedy: bool) -> list[str]:
+    """Reasons the figures cannot be trusted (empty list = none found)."""
+    notes = []
+    for row in rows:
+        name = f"{row['bench']}/{row['method']}"
+        if row["method"] != BASELINE and row["rounds"] < min_rounds:
+            notes.append(
+                f"{name}: only {row['rounds']} rounds (< {min_rounds}): tau and acceptance are noisy"
+            )
+        if greedy and row["method"] != BASELINE and row["identity_checked"] < row["answers"]:
+            notes.append(
+                f"{name}: {row['answers'] - row['identity_checked']} answers had no ar baseline to compare"
+            )
+        if greedy and row["identical"] is not None and row["identical"] < row["identity_checked"]:
+            notes.append(
+                f"{name}: {row['identity_checked'] - row['identical']} of {row['identity_checked']} greedy answers "
+                "differ from ar: the decoder is not lossless here"
+            )
+        if row["method"] != BASELINE and row["speedup"] is None:
+            notes.append(f"{name}: no ar baseline in this run, so no speedup")
+        if row.get("prompts_cut"):
+            notes.append(
+                f"{name}: {row['prompts_cut']} prompts were longer than the context allows and were cut"
+            )
+        if row["tau"] is not None and row["tau"] < 1.0:
+            notes.append(f"{name}: tau {row['tau']:.2f} < 1 is impossible: the round statistics are wrong")
+    return notes
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The report table: one line per (bench, method)."""
+    depth = max((len(r["acceptance_by_position"]) for r in rows), default=0)
+    head = ["bench", "method", "answers", "rounds", "tau", "tokens/s", "speedup", "greedy identical"]
+    head += [f"acc@{k}" for k in range(1, depth + 1)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        identical = "-" if r["identical"] is None else f"{r['identical']}/{r['identity_checked']}"
+        acc = [_fmt(a) for a in r["acceptance_by_position"]] + ["-"] * (
+            depth - len(r["acceptance_by_position"])
+        )
+        cells = [
+            r["bench"],
+            r["method"],
+            str(r["answers"]),
+            str(r["rounds"]),
+            _fmt(r["tau"]),
+            _fmt(r["tokens_per_s"], ".1f"),
+            _fmt(r["speedup"]) + ("x" if r["speedup"] else ""),
+            identical,
+            *acc,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], plots: list[str]) -> str:
+    """report.md: run settings, the table, the sanity lines, the plots."""
+    parts = ["# Evaluation report", ""]
+    parts += [f"- {k}: {v}" for k, v in meta.items()]
+    parts += ["", markdown_table(rows), ""]
+    parts.append(
+        "tau = tokens per target forward (accepted drafts + 1); acc@k = P(draft token k accepted | 1..k-1 "
+        "accepted); speedup = tokens/s over ar's on the same benchmark, timed in this run."
+    )
+    parts += ["", "## Sanity", ""]
+    parts += [f"- WARNING: {n}" for n in notes] or ["- all checks passed"]
+    if plots:
+        parts += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(
+    records: list[dict], out_dir: str | Path, meta: dict[str, Any], min_rounds: int = 20, plots: bool = True
+) -> dict[str, Any]:
+    """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(records)
+    greedy = float(meta.get("temperature", 0.0)) == 0.0
+    notes = sanity_checks(rows, min_rounds, greedy)
+    plot_files = write_plots(records, rows, out) if plots else []
+    calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
+    report = {
+        "meta": meta,
+        "results": rows,
+        "sanity": notes,
+        "calibration": calib,
+        "plots": [Path(p).name for p in plot_files],
+    }
+    atomic_write_json(out / "report.json", report, sort_keys=False)
+    atomic_write_text(out / "report.md", render_markdown(rows, notes, meta, plot_files))
+    return report
+
+
+def _methods(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["method"] for r in rows))
+
+
+def _benches(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["bench"] for r in rows))
+
+
+def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[Path]:
+    """The four PNG plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for name, draw in (
+        ("acceptance_by_position", _plot_acceptance),
+        ("tau_histogram", _plot_tau_hist),
+        ("calibration", _plot_calibration),
+        ("speedup", _plot_speedup),
+    ):
+        fig = draw(plt, records, rows)
+        path = out / f"{name}.png"
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def _bench_axes(plt, n: int):
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.5), squeeze=False)
+    return fig, axes[0]
+
+
+def _plot_acceptance(plt, records: list[dict], rows: list[dict]):
+    benches = _benches(rows)
+    fig, axes = _bench_axes(plt, len(benches))
+    for ax, bench in zip(axes, benches, strict=True):
+        for row in (r for r in rows if r["bench"] == bench and r["acceptance_by_position"]):
+            acc = row["acceptance_by_position"]
+            ax.plot(
+                range(1, len(acc) + 1),
+                [float("nan") if a is None else a for a in acc],
+                marker="o",
+                label=row["method"],
+            )
+        ax.set(title=bench, xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05))
+        ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_tau_hist(plt, records: list[dict], rows: list[dict]):
+    benches = _benches(rows)
+    methods = [m for m in _methods(rows) if m != BASELINE]
+    fig, axes = _bench_axes(plt, len(benches))
+    for ax, bench in zip(axes, benches, strict=True):
+        width = 0.8 / max(len(methods), 1)
+        for i, method in enumerate(methods):
+            lengths = [
+                x
+                for r in records
+                if r["bench"] == bench and r["method"] == method
+                for x in r["accept_lengths"]
+            ]
+            if not lengths:
+                continue
+            top = max(lengths)
+            share = [lengths.count(k) / len(lengths) for k in range(1, top + 1)]
+            ax.bar(
+                [k + (i - (len(methods) - 1) / 2) * width for k in range(1, top + 1)],
+                share,
+                width,
+                label=method,
+            )
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set(title=bench, xlabel="tokens per round (accepted + 1)", ylabel="share of rounds")
+        ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_calibration(plt, records: list[dict], rows: list[dict]):
+    fig, ax = plt.subplots(figsize=(4.5, 4))
+    ax.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=1, label="ideal")
+    for method in _methods(rows):
+        points = calibration([r for r in records if r["method"] == method])
+        if points:
+            ax.plot(
+                [p["confidence"] for p in points],
+                [p["accept_rate"] for p in points],
+                marker="o",
+                label=method,
+            )
+    ax.set(
+        title="draft confidence vs acceptance",
+        xlabel="draft confidence",
+        ylabel="acceptance rate",
+        xlim=(0, 1),
+        ylim=(0, 1.05),
+    )
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_speedup(plt, records: list[dict], rows: list[dict]):
+    benches = _benches(rows)
+    methods = _methods(rows)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 * len(benches)), 3.5))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [
+            next((r["speedup"] or 0.0 for r in rows if r["bench"] == b and r["method"] == method), 0.0)
+            for b in benches
+        ]
+        bars = ax.bar(
+            [j + (i - (len(methods) - 1) / 2) * width for j in range(len(benches))],
+            values,
+            width,
+            label=method,
+        )
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(benches)), benches)
+    ax.set(title="wall-clock speedup over ar", ylabel="speedup")
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,429 @@
+"""Stage 2: train the EAGLE draft head on the target's features.
+
+    accelerate launch train.py features=DIR out_dir=DIR max_steps=N          (offline: a feature store)
+    accelerate launch train.py data.source=online data.path=FILE ...         (online: the target runs here)
+
+One optimizer step consumes `num_processes * grad_accum` micro-batches of an epoch's plan (rank r takes
+every num_processes-th), and the loss is averaged over the masked positions of the WHOLE step (all
+micro-batches, all processes), so 2 processes x 1 micro-batch == 1 process x 2 micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from tqdm import tqdm
+
+from eagle_train.config.base import CONF_DIR, resolve_path, to_schema
+from eagle_train.config.train import TrainConfig
+from eagle_train.data.batching import padding_fraction
+from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
+from eagle_train.metrics import draft_metric_sums, finalize_metrics
+from eagle_train.modeling.checkpoint import load_head, save_head
+from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.target import Target, load_target, load_target_config
+from eagle_train.training import checkpoint as ckpt
+from eagle_train.training.data import Source, batch_to, collate, online_collate, plan_epoch, split_by_id
+from eagle_train.training.optim import build_optimizer, grad_norm, lr_at, set_lr
+from eagle_train.training.sources import open_online, open_store
+
+# Settings that decide the batch plan: a resumed run must use the same.
+PLAN_KEYS = ("seed", "max_tokens", "max_batch_size", "bucket")
+
+
+@dataclass
+class RunData:
+    """The samples, the split and how a list of indices becomes a collated CPU batch."""
+
+    source: Source
+    train: list[int]
+    held_out: list[int]
+    make_batch: Callable[[list[int]], dict[str, torch.Tensor]]
+    identity: dict[str, Any]  # target identity for checkpoint meta
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    """bf16 on GPU and fp32 on CPU unless the launcher (or cfg.mixed_precision) says otherwise."""
+    precision = cfg.mixed_precision
+    if precision == "auto":  # `accelerate launch` always sets the variable; "no" there means "not asked"
+        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        precision = launcher if launcher != "no" else ("bf16" if torch.cuda.is_available() else "no")
+    if cfg.wandb:
+        os.environ.setdefault("WANDB_MODE", "offline")
+    handlers = []
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available():
+        # DeepSpeed on a CPU-only machine: without this its process group stays uninitialised (gloo).
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    return Accelerator(
+        mixed_precision=precision,
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with="wandb" if cfg.wandb else None,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=handlers,
+    )
+
+
+def configure_deepspeed(accelerator: Accelerator, cfg: TrainConfig) -> None:
+    """Fill the DeepSpeed config from the run config (there is no dataloader for accelerate to read).
+
+    Micro-batches are token-budgeted, so the per-GPU batch size is nominal (1); DeepSpeed accumulates
+    `grad_accum` micro-batches and clips by norm (it cannot clip by value)."""
+    if cfg.optim.clip == "value":
+        raise ValueError("DeepSpeed clips gradients by norm only: set optim.clip=norm (or none)")
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = 1
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds["train_batch_size"] = cfg.grad_accum * accelerator.num_processes
+    ds["gradient_clipping"] = cfg.optim.clip_value if cfg.optim.clip == "norm" else 0.0
+
+
+def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, Target]:
+    """Load the target (frozen) and the samples; offline stores are checked against the target."""
+    online = cfg.data.source == "online"
+    target = load_target(cfg.target, accelerator.device if online else "cpu")
+    hf_config = load_target_config(cfg.target)
+    if online:
+        with accelerator.main_process_first():
+            source, identity = open_online(cfg, target, hf_config)
+        device = accelerator.device
+
+        def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
+            return online_collate([source[i] for i in indices], target.hidden_states, device)
+    else:
+        source, identity = open_store(resolve_path(cfg.features), target, hf_config)
+
+        def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
+            return collate([source[i] for i in indices])
+
+    train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
+    if not train:
+        raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
+    return RunData(source, train, held_out, make_batch, identity), target
+
+
+def build_head(cfg: TrainConfig, target: Target) -> DraftHead:
+    """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head."""
+    if cfg.draft.path:
+        head, _ = load_head(resolve_path(cfg.draft.path))
+    else:
+        torch.manual_seed(cfg.seed)
+        head = DraftHead.from_target(target.config, cfg.draft.num_layers, cfg.draft.fc_bias)
+    head.share_target_weights(target.embed_tokens, target.lm_head)
+    return head.float()
+
+
+def step_batches(
+    plan: list[list[int]], cursor: int, accelerator: Accelerator, grad_accum: int
+) -> list[list[int]]:
+    """This process's micro-batches of the optimizer step starting at `cursor` of the epoch plan."""
+    group = plan[cursor : cursor + accelerator.num_processes * grad_accum]
+    return group[accelerator.process_index :: accelerator.num_processes]
+
+
+def train_step(
+    model,
+    batches: list[dict[str, torch.Tensor]],
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    lm_weight: torch.Tensor,
+    noise_seeds: list[int],
+) -> torch.Tensor:
+    """Forward/backward over this process's micro-batches; returns summed terms
+    [smooth_l1, ce, correct, tokens, positions] (not yet reduced across processes).
+
+    Each micro-batch's noise comes from its own seed (a function of its place in the epoch plan), so
+    the noise does not depend on how the micro-batches are spread over processes."""
+    local_tokens = sum(b["loss_mask"].sum() for b in batches).float().reshape(1).to(accelerator.device)
+    global_tokens = accelerator.reduce(local_tokens.clone(), "sum")
+    # The loss is already a mean over the whole step; undo DDP's/DeepSpeed's average over processes and
+    # accelerate's/DeepSpeed's division by the accumulation steps.
+    scale = accelerator.num_processes * cfg.grad_accum
+    totals = torch.zeros(5, device=accelerator.device)
+    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+    for i, batch in enumerate(batches):
+        batch = batch_to(batch, accelerator.device, dtype)
+        generator = torch.Generator(device=accelerator.device).manual_seed(noise_seeds[i])
+        with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
+            features = add_feature_noise(batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator)
+            pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
+            sums = eagle_loss_sums(
+                pred,
+                batch["target_hidden"],
+                lm_weight,
+                batch["target_ids"],
+                batch["loss_mask"],
+                cfg.loss.soft,
+            )
+            terms = combine_terms(sums, global_tokens[0], cfg.loss.w_v, cfg.loss.w_p)
+            accelerator.backward(terms["loss"] * scale)
+        totals += torch.stack(
+            [
+                sums["smooth_l1"].detach(),
+                sums["ce"].detach(),
+                sums["correct"],
+                sums["tokens"],
+                batch["positions"].sum().float(),
+            ]
+        )
+    return totals
+
+
+def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) -> float:
+    """Clip (norm or value), step, zero the gradients; returns the gradient norm before clipping."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # the engine clips and steps
+        optimizer.step()
+        optimizer.zero_grad()
+        engine_norm = model.get_global_grad_norm()
+        return float(engine_norm) if engine_norm is not None else float("nan")
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = grad_norm(params)
+    if cfg.optim.clip == "norm":
+        accelerator.clip_grad_norm_(params, cfg.optim.clip_value)
+    elif cfg.optim.clip == "value":
+        accelerator.clip_grad_value_(params, cfg.optim.clip_value)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
+    """Held-out metrics (eagle_train.metrics) plus the loss without noise, over all processes."""
+    held_out = data.held_out[: cfg.eval_max_samples] if cfg.eval_max_samples else data.held_out
+    mine = held_out[accelerator.process_index :: accelerator.num_processes]
+    plan = plan_epoch(mine, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, True, 0) if mine else []
+    keys = [
+        "first_tokens",
+        "top1",
+        "top3",
+        *[f"step{k}" for k in range(1, cfg.eval_depth + 1)],
+        "chains",
+        "accept_len",
+        "smooth_l1",
+        "ce",
+    ]
+    totals = dict.fromkeys(keys, 0.0)
+    head.eval()
+    for indices in plan:
+        batch = batch_to(data.make_batch(indices), accelerator.device, head.fc.weight.dtype)
+        with accelerator.autocast():
+            for key, value in draft_metric_sums(head, batch, cfg.eval_depth).items():
+                totals[key] += value
+            pred = head(batch["input_ids"], batch["features"])
+            sums = eagle_loss_sums(
+                pred,
+                batch["target_hidden"],
+                head.lm_head.weight,
+                batch["target_ids"],
+                batch["loss_mask"],
+                cfg.loss.soft,
+            )
+        totals["smooth_l1"] += float(sums["smooth_l1"])
+        totals["ce"] += float(sums["ce"])
+    head.train()
+    reduced = accelerator.reduce(torch.tensor([totals[k] for k in keys], device=accelerator.device), "sum")
+    totals = dict(zip(keys, reduced.tolist(), strict=True))
+    out = finalize_metrics(totals, cfg.eval_depth)
+    terms = combine_terms(
+        {"smooth_l1": torch.tensor(totals["smooth_l1"]), "ce": torch.tensor(totals["ce"])},
+        totals["first_tokens"],
+        cfg.loss.w_v,
+        cfg.loss.w_p,
+    )
+    out.update({k: float(v) for k, v in terms.items()})
+    return {f"eval/{k}": v for k, v in out.items()}
+
+
+def log_metrics(accelerator: Accelerator, out_dir: Path, step: int, values: dict[str, float]) -> None:
+    """One JSON line in out_dir/metrics.jsonl (main process) and the trackers."""
+    if accelerator.is_main_process:
+        with open(out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+    accelerator.log(values, step=step)
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """max_steps, or epochs full passes over the training plan."""
+    return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+
+
+def resume_state(cfg: TrainConfig, out_dir: Path, accelerator: Accelerator) -> dict[str, Any]:
+    """Trainer state from the newest complete checkpoint (resume=auto), else a fresh one."""
+    fresh = {"step": 0, "epoch": 0, "cursor": 0, "plan": {k: getattr(cfg, k) for k in PLAN_KEYS}}
+    found = ckpt.resumable_checkpoints(out_dir) if cfg.resume == "auto" else []
+    if not found:
+        return fresh
+    state = ckpt.load_checkpoint(accelerator, found[-1])
+    if state["plan"] != fresh["plan"]:
+        raise ValueError(
+            f"{found[-1]}: cannot resume, batch plan settings differ: checkpoint {state['plan']}, "
+            f"config {fresh['plan']} (use another out_dir or resume=never)"
+        )
+    accelerator.print(f"resumed from {found[-1]} at step {state['step']}")
+    return state
+
+
+@dataclass
+class Session:
+    """Everything a run holds after setup."""
+
+    accelerator: Accelerator
+    model: Any  # the prepared head (DDP / DeepSpeed engine / plain module)
+    optimizer: Any  # the prepared AdamW
+    data: RunData
+    lm_weight: torch.Tensor  # the target's frozen LM head [vocab, hidden] on the device
+    out_dir: Path
+    meta: dict[str, Any]  # checkpoint meta: target identity, max_len
+    per_step: int  # micro-batches per optimizer step over all processes
+    steps_per_epoch: int
+    total: int  # optimizer steps of the whole schedule
+    stop: int  # where this invocation stops (stop_at_step or total)
+
+
+def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
+    """Accelerator, data, head, optimizer and the (resumed) trainer state."""
+    accelerator = make_accelerator(cfg)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data, target = prepare_data(cfg, accelerator)
+    head = build_head(cfg, target)
+    lm_weight = head.lm_head.weight.to(accelerator.device)
+    optimizer = build_optimizer(head, cfg.optim)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator, cfg)
+    model, optimizer = accelerator.prepare(head, optimizer)
+    if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
+            f"{torch.distributed.get_world_size()}: the launch is misconfigured"
+        )
+    per_step = accelerator.num_processes * cfg.grad_accum
+    first_plan = epoch_plan(cfg, data, 0)
+    steps_per_epoch = len(first_plan) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
+            f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
+        )
+    total = total_steps(cfg, steps_per_epoch)
+    state = resume_state(cfg, out_dir, accelerator)
+    if state["step"] == 0 and accelerator.is_main_process:  # a fresh run starts a fresh metrics file
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if cfg.wandb:
+        accelerator.init_trackers(cfg.wandb_project, config=json.loads(json.dumps(asdict(cfg), default=str)))
+    accelerator.print(
+        f"train {len(data.train)} / held-out {len(data.held_out)} sequences, {steps_per_epoch} "
+        f"steps per epoch, {total} steps, padding {padding_fraction(data.source.lengths, first_plan):.1%}"
+    )
+    meta = {**data.identity, "max_len": max(data.source.lengths)}
+    session = Session(
+        accelerator,
+        model,
+        optimizer,
+        data,
+        lm_weight,
+        out_dir,
+        meta,
+        per_step,
+        steps_per_epoch,
+        total,
+        min(total, cfg.stop_at_step or total),
+    )
+    return session, state
+
+
+def epoch_plan(cfg: TrainConfig, data: RunData, epoch: int) -> list[list[int]]:
+    """The micro-batches of one epoch (a pure function of the config and the epoch: resumable)."""
+    return plan_epoch(
+        data.train, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, cfg.bucket, cfg.seed + epoch
+    )
+
+
+def noise_seeds(cfg: TrainConfig, state: dict[str, Any], accelerator: Accelerator, count: int) -> list[int]:
+    """One seed per micro-batch of this process, from its place in the epoch plan, so the noise is the
+    same for any process layout (2 processes x 1 micro-batch == 1 process x 2)."""
+    first = cfg.seed * 1_000_003 + state["epoch"] * 100_003 + state["cursor"] + accelerator.process_index
+    return [first + i * accelerator.num_processes for i in range(count)]
+
+
+def window_metrics(sums: list[float], cfg: TrainConfig, seconds: float) -> dict[str, float]:
+    """Averages of the summed train terms [smooth_l1, ce, correct, tokens, positions] over a log window."""
+    tokens = max(sums[3], 1.0)
+    return {
+        "loss": (cfg.loss.w_v * sums[0] + cfg.loss.w_p * sums[1]) / tokens,
+        "smooth_l1": sums[0] / tokens,
+        "ce": sums[1] / tokens,
+        "train_top1": sums[2] / tokens,
+        "tokens_per_s": sums[4] / max(seconds, 1e-9),
+    }
+
+
+def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
+    """The loop: one optimizer step per iteration, logging, evaluation and checkpoints."""
+    acc = s.accelerator
+    bar = tqdm(total=s.stop, initial=state["step"], disable=not (cfg.progress and acc.is_local_main_process))
+    plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+    window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
+    while state["step"] < s.stop:
+        if state["cursor"] + s.per_step > s.steps_per_epoch * s.per_step:  # epoch done (remainder dropped)
+            state["epoch"], state["cursor"] = state["epoch"] + 1, 0
+        if plan_index != state["epoch"]:
+            plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+        batches = [s.data.make_batch(b) for b in step_batches(plan, state["cursor"], acc, cfg.grad_accum)]
+        lr = lr_at(state["step"], s.total, cfg.optim)
+        set_lr(s.optimizer, lr)
+        window += train_step(
+            s.model, batches, cfg, acc, s.lm_weight, noise_seeds(cfg, state, acc, len(batches))
+        )
+        norm = clip_and_step(s.model, s.optimizer, cfg, acc)
+        state["step"], state["cursor"] = state["step"] + 1, state["cursor"] + s.per_step
+        step = state["step"]
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == s.stop:
+            values = window_metrics(
+                acc.reduce(window, "sum").tolist(), cfg, time.perf_counter() - window_start
+            )
+            log_metrics(
+                acc, s.out_dir, step, {**values, "lr": lr, "grad_norm": norm, "epoch": state["epoch"]}
+            )
+            bar.set_postfix(loss=f"{values['loss']:.4f}", top1=f"{values['train_top1']:.3f}")
+            window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < s.stop and s.data.held_out:
+            log_metrics(acc, s.out_dir, step, evaluate(acc.unwrap_model(s.model), s.data, cfg, acc))
+        if (cfg.save_every and step % cfg.save_every == 0) or step == s.stop:
+            ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, cfg.keep_last)
+    bar.close()
+
+
+def run(cfg: TrainConfig) -> dict[str, float]:
+    """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}."""
+    session, state = setup(cfg)
+    fit(cfg, session, state)
+    acc = session.accelerator
+    head = acc.unwrap_model(session.model)
+    final = evaluate(head, session.data, cfg, acc) if session.data.held_out else {}
+    log_metrics(acc, session.out_dir, state["step"], final)
+    if acc.is_main_process and state["step"] >= session.total:
+        save_head(head, session.out_dir / "final", {**session.meta, "step": state["step"], **final})
+    acc.wait_for_everyone()
+    acc.end_training()
+    return final
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def main(cfg) -> None:
+    run(to_schema(cfg, TrainConfig))
+
+
+if __name__ == "__main__":
+    main()

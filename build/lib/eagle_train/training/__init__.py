@@ -1,0 +1,1 @@
+"""The pieces of the training stage: data plans and collation, optimizer and schedule, checkpoints."""

@@ -1,0 +1,49 @@
+"""AdamW over the head's trainable parameters, the learning-rate schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from eagle_train.config.train import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the parameters that require grad (fc and the decoder layers; never the target's
+    frozen embedding and LM head)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr, then constant,
+    linear or cosine decay to cfg.min_lr_ratio * cfg.lr at `total_steps`."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(total_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    if cfg.schedule == "linear":
+        shape = 1.0 - progress
+    else:  # cosine
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate (the schedule is a pure function of the step, so a
+    resumed run needs no scheduler state)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def grad_norm(params: Iterable[torch.Tensor]) -> float:
+    """Global L2 norm of the gradients (before clipping)."""
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0

@@ -1,0 +1,77 @@
+"""Where training samples come from: a feature store (offline) or tokenized conversations (online)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle_train.config.train import TrainConfig
+from eagle_train.data.render import ChatRenderer, tokenize_conversations
+from eagle_train.data.sharegpt import DataError, load_conversations
+from eagle_train.modeling.target import Target
+from eagle_train.store import FeatureStore, target_config_hash
+
+
+def target_identity(target: Target, hf_config) -> dict[str, Any]:
+    """What a store must have been extracted with (dotted manifest keys) for this target."""
+    return {
+        "target.config_hash": target_config_hash(hf_config.to_dict()),
+        "target.hidden_size": target.hidden_size,
+        "target.vocab_size": target.vocab_size,
+    }
+
+
+def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
+    """The target block of a head checkpoint's meta."""
+    return {
+        "target": {
+            "name": target.cfg.name,
+            "source": target.source,
+            "config_hash": target_config_hash(hf_config.to_dict()),
+        }
+    }
+
+
+def open_store(path: Path | None, target: Target, hf_config) -> tuple[FeatureStore, dict[str, Any]]:
+    """The feature store at `path`, refused (StoreMismatchError naming the field) unless it was
+    extracted from this target."""
+    if path is None:
+        raise ValueError("offline training needs `features=DIR`")
+    store = FeatureStore(path)
+    store.check_compatible(target_identity(target, hf_config))
+    if len(store) == 0:
+        raise DataError(f"feature store {path}: no samples")
+    return store, checkpoint_identity(target, hf_config)
+
+
+class TokenizedSource:
+    """Tokenized conversations (columns id, input_ids, loss_mask, num_tokens) as training samples
+    without features: online collation runs the target on them."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+        self.ids: list[str] = [str(i) for i in dataset["id"]]
+        self.lengths: list[int] = [int(n) for n in dataset["num_tokens"]]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.dataset[i]
+        return {
+            "id": row["id"],
+            "input_ids": torch.tensor(row["input_ids"], dtype=torch.long),  # [L]
+            "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool),  # [L]
+        }
+
+
+def open_online(cfg: TrainConfig, target: Target, hf_config) -> tuple[TokenizedSource, dict[str, Any]]:
+    """Load, clean and tokenize cfg.data exactly as extraction does (same template, same max_len)."""
+    messages, _ = load_conversations(cfg.data)
+    max_len = min(cfg.data.max_len or target.max_len, target.max_len)
+    dataset, _ = tokenize_conversations(messages, ChatRenderer(target.tokenizer, target.cfg, max_len))
+    if len(dataset) == 0:
+        raise DataError(f"{cfg.data.path}: no conversation left to train on after tokenization")
+    return TokenizedSource(dataset), checkpoint_identity(target, hf_config)
