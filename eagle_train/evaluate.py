@@ -21,17 +21,15 @@ import platform
 import time
 from pathlib import Path
 
-import hydra
 import torch
-from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from eagle_train.config.base import CONF_DIR, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import GenerationStats
+from eagle_train.entry import stage_main
 from eagle_train.files import atomic_write_lines
 from eagle_train.modeling.interop import load_draft
 from eagle_train.modeling.target import Target, load_target
@@ -215,9 +213,7 @@ def run(cfg: EvaluateConfig) -> dict:
     return report
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run(to_schema(cfg, EvaluateConfig))
+main = stage_main("evaluate", run)
 
 
 if __name__ == "__main__":

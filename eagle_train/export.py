@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-
-from eagle_train.config.base import CONF_DIR, resolve_path, to_schema
+from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
+from eagle_train.entry import stage_main
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
 from eagle_train.modeling.target import torch_dtype
@@ -82,9 +80,7 @@ def run(cfg: ExportConfig) -> Path:
     return out
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run(to_schema(cfg, ExportConfig))
+main = stage_main("export", run)
 
 
 if __name__ == "__main__":

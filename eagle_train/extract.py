@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import hydra
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from eagle_train.config.base import CONF_DIR, config_hash, to_schema
+from eagle_train.config.base import config_hash
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, load_conversations
+from eagle_train.entry import stage_main
 from eagle_train.files import file_sha256
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.store import (
@@ -239,9 +239,7 @@ def format_summary(counts: dict[str, Any]) -> str:
     )
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="extract", version_base="1.3")
-def main(cfg) -> None:
-    run(to_schema(cfg, ExtractConfig))
+main = stage_main("extract", run)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,13 @@ def eagle_loss_sums(
 
 
 def combine_terms(
-    sums: dict[str, torch.Tensor], num_tokens: float | torch.Tensor, w_v: float = 1.0, w_p: float = 0.1
+    sums: dict[str, torch.Tensor],
+    num_tokens: float | torch.Tensor,
+    feature_weight: float = 1.0,
+    token_weight: float = 0.1,
 ) -> dict[str, torch.Tensor]:
-    """Averages over `num_tokens` masked positions and the total w_v * SmoothL1 + w_p * CE.
+    """Averages over `num_tokens` masked positions and the total feature_weight * SmoothL1 +
+    token_weight * CE: the one place the loss total is formed (training steps, log windows, evaluation).
 
     Pass the global token count of the optimizer step (all micro-batches, all processes) so every
     position weighs the same however the batch is split.
@@ -105,7 +109,7 @@ def combine_terms(
     denom = torch.clamp(torch.as_tensor(num_tokens, dtype=torch.float32), min=1.0)
     smooth_l1 = sums["smooth_l1"] / denom
     ce = sums["ce"] / denom
-    return {"loss": w_v * smooth_l1 + w_p * ce, "smooth_l1": smooth_l1, "ce": ce}
+    return {"loss": feature_weight * smooth_l1 + token_weight * ce, "smooth_l1": smooth_l1, "ce": ce}
 
 
 def eagle_loss(
@@ -114,10 +118,10 @@ def eagle_loss(
     lm_head_weight: torch.Tensor,
     target_ids: torch.Tensor,
     loss_mask: torch.Tensor,
-    w_v: float = 1.0,
-    w_p: float = 0.1,
+    feature_weight: float = 1.0,
+    token_weight: float = 0.1,
     soft: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The EAGLE loss averaged over this batch's masked positions: named terms loss, smooth_l1, ce."""
     sums = eagle_loss_sums(pred_hidden, target_hidden, lm_head_weight, target_ids, loss_mask, soft)
-    return combine_terms(sums, sums["tokens"], w_v, w_p)
+    return combine_terms(sums, sums["tokens"], feature_weight, token_weight)

@@ -20,11 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-
-from eagle_train.config.base import CONF_DIR, to_schema
 from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
+from eagle_train.entry import stage_main
 from eagle_train.files import atomic_write_json
 
 
@@ -126,9 +123,7 @@ def run(cfg: PipelineConfig) -> list[dict]:
     return records
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="pipeline", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run(to_schema(cfg, PipelineConfig))
+main = stage_main("pipeline", run)
 
 
 if __name__ == "__main__":

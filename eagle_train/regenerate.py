@@ -28,17 +28,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle_train.config.base import CONF_DIR, resolve_path, to_schema
+from eagle_train.config.base import resolve_path
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import load_conversations
+from eagle_train.entry import stage_main
 from eagle_train.files import atomic_write_json, atomic_write_lines
 from eagle_train.modeling.target import Target, load_target
 
@@ -294,9 +293,7 @@ def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Co
     return total
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run(to_schema(cfg, RegenerateConfig))
+main = stage_main("regenerate", run)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from tqdm import tqdm
 
-from eagle_train.config.base import CONF_DIR, resolve_path, to_schema
+from eagle_train.config.base import resolve_path
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
+from eagle_train.entry import stage_main
 from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import load_head, save_head
@@ -164,7 +164,7 @@ def train_step(
                 batch["loss_mask"],
                 cfg.loss.soft,
             )
-            terms = combine_terms(sums, global_tokens[0], cfg.loss.w_v, cfg.loss.w_p)
+            terms = combine_terms(sums, global_tokens[0], cfg.loss.feature_weight, cfg.loss.token_weight)
             accelerator.backward(terms["loss"] * scale)
         totals += torch.stack(
             [
@@ -237,8 +237,8 @@ def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Acce
     terms = combine_terms(
         {"smooth_l1": torch.tensor(totals["smooth_l1"]), "ce": torch.tensor(totals["ce"])},
         totals["first_tokens"],
-        cfg.loss.w_v,
-        cfg.loss.w_p,
+        cfg.loss.feature_weight,
+        cfg.loss.token_weight,
     )
     out.update({k: float(v) for k, v in terms.items()})
     return {f"eval/{k}": v for k, v in out.items()}
@@ -359,10 +359,14 @@ def noise_seeds(cfg: TrainConfig, state: dict[str, Any], accelerator: Accelerato
 def window_metrics(sums: list[float], cfg: TrainConfig, seconds: float) -> dict[str, float]:
     """Averages of the summed train terms [smooth_l1, ce, correct, tokens, positions] over a log window."""
     tokens = max(sums[3], 1.0)
+    terms = combine_terms(
+        {"smooth_l1": torch.tensor(sums[0]), "ce": torch.tensor(sums[1])},
+        tokens,
+        cfg.loss.feature_weight,
+        cfg.loss.token_weight,
+    )
     return {
-        "loss": (cfg.loss.w_v * sums[0] + cfg.loss.w_p * sums[1]) / tokens,
-        "smooth_l1": sums[0] / tokens,
-        "ce": sums[1] / tokens,
+        **{k: float(v) for k, v in terms.items()},
         "train_top1": sums[2] / tokens,
         "tokens_per_s": sums[4] / max(seconds, 1e-9),
     }
@@ -420,9 +424,7 @@ def run(cfg: TrainConfig) -> dict[str, float]:
     return final
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def main(cfg) -> None:
-    run(to_schema(cfg, TrainConfig))
+main = stage_main("train", run)
 
 
 if __name__ == "__main__":

@@ -57,15 +57,14 @@ def build_store(workdir: Path, limit: int | None, data_file: Path | None = None)
 def train_child(overrides: list[str], threads: int) -> dict:
     """Run one training in this process (called in a child); metrics + peak RSS as a dict."""
     import torch
-    from hydra import compose, initialize_config_dir
 
-    from eagle_train.config.base import CONF_DIR, to_schema
+    from eagle_train.config.base import to_schema
     from eagle_train.config.train import TrainConfig
+    from eagle_train.entry import compose
     from eagle_train.train import run
 
     torch.set_num_threads(threads)
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = to_schema(compose("train", overrides=overrides), TrainConfig)
+    cfg = to_schema(compose("train", overrides=overrides), TrainConfig)
     start = time.perf_counter()
     final = run(cfg)
     lines = [json.loads(x) for x in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]

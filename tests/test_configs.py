@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from eagle_train.config.base import CONF_DIR, to_schema
@@ -16,6 +15,7 @@ from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.pipeline import PipelineConfig
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.config.train import TrainConfig
+from eagle_train.entry import compose
 
 SCHEMAS = {
     "extract": ExtractConfig,
@@ -64,8 +64,7 @@ def test_every_stage_has_a_primary_config():
 
 @pytest.mark.parametrize("config_name, overrides", list(_combinations()), ids=lambda v: str(v))
 def test_config_composes_and_validates(config_name, overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides + REQUIRED.get(config_name, []))
+    cfg = compose(config_name, overrides + REQUIRED.get(config_name, []))
     obj = to_schema(cfg, SCHEMAS[config_name])
     assert obj is not None
     if hasattr(obj, "target"):

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.decoding.stats import GenerationStats
+from eagle_train.entry import compose
 from eagle_train.evaluate import calibration_pairs, fit_prompt, run
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
@@ -76,10 +76,9 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
 
 
 def test_config_from_hydra_and_errors(tmp_path):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = to_schema(
-            compose("evaluate", overrides=["draft.path=/x", "bench=qa", "num_questions=3"]), EvaluateConfig
-        )
+    cfg = to_schema(
+        compose("evaluate", overrides=["draft.path=/x", "bench=qa", "num_questions=3"]), EvaluateConfig
+    )
     assert (
         cfg.bench == ["qa"]
         and cfg.methods == ["ar", "chain", "eagle1", "eagle2"]

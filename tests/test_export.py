@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.export import ExportConfig
+from eagle_train.entry import compose
 from eagle_train.export import run
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
@@ -21,8 +21,7 @@ from tests.conftest import STORIES260K
 
 
 def export_cfg(*overrides: str) -> ExportConfig:
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return to_schema(compose("export", overrides=list(overrides)), ExportConfig)
+    return to_schema(compose("export", overrides=list(overrides)), ExportConfig)
 
 
 @pytest.fixture

@@ -6,15 +6,14 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from eagle_train.config import to_schema
-from eagle_train.config.base import CONF_DIR
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches, padding_fraction
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
+from eagle_train.entry import compose
 from eagle_train.extract import run
 from eagle_train.store import MANIFEST_NAME, FeatureStore, StoreMismatchError, target_config_hash
 from tests.conftest import DATA
@@ -30,10 +29,9 @@ def extract_cfg(target_cfg, out_dir, path=ALPACA, limit=12, max_len=128, **kw) -
 
 
 def test_extract_config_composes_with_overrides(tmp_path):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "extract", overrides=["data=alpaca", "data.limit=5", f"out_dir={tmp_path}", "dtype=float16"]
-        )
+    cfg = compose(
+        "extract", overrides=["data=alpaca", "data.limit=5", f"out_dir={tmp_path}", "dtype=float16"]
+    )
     schema = to_schema(cfg, ExtractConfig)
     assert (
         schema.data.name == "alpaca"

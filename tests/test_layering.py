@@ -1,18 +1,63 @@
-"""The import direction of docs/ARCHITECTURE.md, checked on the source (ast, nothing imported)."""
+"""The import direction of docs/ARCHITECTURE.md, checked on the source of every module (ast, nothing imported).
+
+Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
+its layer allows:
+  0 foundation   config/*, files                         stdlib, omegaconf
+  1 pure cores   loss, metrics, kv_cache, decoding/*, report, data/batching, data/jsonl, data/templates
+                                                         + torch, numpy (report: matplotlib)
+  2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
+                 importers besides stages), store           + safetensors
+  3 stage pieces training/*                              torch only (accelerate objects come in as arguments)
+  4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
+                 importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
+"""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle_train"
 STAGES = {"extract", "train", "evaluate", "regenerate", "export", "pipeline"}
-ORCHESTRATION = {"hydra", "accelerate", "deepspeed", "wandb"}
-PURE_CORES = ("config", "decoding", "loss", "metrics", "kv_cache", "data.batching")
+# module (or package prefix) -> layer; the first matching prefix wins, so list specific names first
+LAYERS: list[tuple[str, int]] = [
+    ("config", 0),
+    ("files", 0),
+    ("loss", 1),
+    ("metrics", 1),
+    ("kv_cache", 1),
+    ("decoding", 1),
+    ("report", 1),
+    ("data.batching", 1),
+    ("data.jsonl", 1),
+    ("data.templates", 1),
+    ("data", 2),
+    ("modeling", 2),
+    ("store", 2),
+    ("training", 3),
+    ("entry", 4),
+    *((stage, 4) for stage in sorted(STAGES)),
+]
+THIRD_PARTY = {
+    0: {"omegaconf"},
+    1: {"torch", "numpy"},
+    2: {"torch", "numpy", "safetensors"},
+    3: {"torch", "numpy"},
+    4: {"torch", "numpy", "safetensors", "hydra", "accelerate", "deepspeed", "wandb", "tqdm", "omegaconf"},
+}
+EXTRA = {
+    "report": {"matplotlib"},
+    "modeling": {"transformers"},
+    "data": {"datasets"},
+    "extract": {"datasets"},
+}
 
 
 def _modules() -> dict[str, set[str]]:
-    """module name (relative to the package) -> top-level names it imports (absolute, dotted)."""
+    """module name (relative to the package, "" for the package itself) -> imported names (dotted)."""
     found = {}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).with_suffix("")
@@ -23,61 +68,62 @@ def _modules() -> dict[str, set[str]]:
                 imports.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 imports.add(node.module)
-                imports.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level > 0:
+                raise AssertionError(f"{path}: relative import; use absolute eagle_train.* imports")
         found[name] = imports
     return found
 
 
-def _top(name: str) -> str:
-    return name.split(".")[0]
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
 
 
-def test_package_has_modules():
-    assert {"config", "modeling.target", "modeling.draft"} <= set(_modules())
+def layer_of(module: str) -> int | None:
+    """The layer of a package module (None: the package root and subpackage markers)."""
+    return next((layer for prefix, layer in LAYERS if _matches(module, prefix)), None)
 
 
-def test_nothing_imports_a_stage_module():
-    for module, imports in _modules().items():
-        for imp in imports:
-            parts = imp.split(".")
-            if parts[0] == "eagle_train" and len(parts) > 1 and parts[1] in STAGES and module != parts[1]:
+def _extra(module: str) -> set[str]:
+    return set().union(*(libs for prefix, libs in EXTRA.items() if _matches(module, prefix)))
+
+
+MODULES = _modules()
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in MODULES if m and layer_of(m) is None and m not in {"data", "decoding", "modeling"}]
+    assert not unplaced, (
+        f"modules with no layer in tests/test_layering.py (and docs/ARCHITECTURE.md): {unplaced}"
+    )
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m))
+def test_imports_point_down(module):
+    own = layer_of(module)
+    if own is None:
+        return
+    for imp in MODULES[module]:
+        parts = imp.split(".")
+        if parts[0] == "eagle_train" and len(parts) > 1:
+            target = ".".join(parts[1:])
+            if parts[1] in STAGES:
                 raise AssertionError(f"eagle_train.{module} imports the stage module {imp}")
-
-
-def test_only_stages_import_orchestration_libraries():
-    for module, imports in _modules().items():
-        if module.split(".")[0] in STAGES or module.startswith("training"):
-            continue
-        bad = sorted(i for i in imports if _top(i) in ORCHESTRATION)
-        assert not bad, f"eagle_train.{module} imports {bad}; only stage modules may"
-
-
-def test_only_modeling_imports_transformers_and_only_data_imports_datasets():
-    for module, imports in _modules().items():
-        tops = {_top(i) for i in imports}
-        if "transformers" in tops:
-            assert module.startswith("modeling"), f"eagle_train.{module} imports transformers"
-        if "datasets" in tops:
-            assert module.startswith("data") or module.split(".")[0] in STAGES, (
-                f"eagle_train.{module} imports datasets"
+            target_layer = layer_of(target)
+            assert target_layer is not None and target_layer <= own, (
+                f"eagle_train.{module} (layer {own}) imports {imp} (layer {target_layer}): imports point down only"
+            )
+            if target == "entry":
+                assert module in STAGES, (
+                    f"only stage modules use the Hydra edge; eagle_train.{module} imports it"
+                )
+        elif parts[0] not in sys.stdlib_module_names and parts[0] != "__future__":
+            allowed = THIRD_PARTY[own] | _extra(module)
+            assert parts[0] in allowed, (
+                f"eagle_train.{module} (layer {own}) imports {imp}; its layer allows {sorted(allowed)}"
             )
 
 
-def test_pure_cores_import_only_torch_and_stdlib():
-    allowed_third_party = {"torch", "numpy", "omegaconf"}
-    for module, imports in _modules().items():
-        if not module.startswith(PURE_CORES):
-            continue
-        for imp in imports:
-            top = _top(imp)
-            if top == "eagle_train":
-                sub = imp.split(".")[1] if "." in imp else ""
-                assert sub in {"config", "decoding", "loss", "metrics", "kv_cache", "data"}, (
-                    f"pure core eagle_train.{module} imports {imp}"
-                )
-            elif top not in allowed_third_party:
-                import sys
-
-                assert top in sys.stdlib_module_names or top == "__future__", (
-                    f"pure core eagle_train.{module} imports {imp}"
-                )
+def test_the_root_shim_only_calls_the_train_stage():
+    tree = ast.parse((PACKAGE.parent / "train.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"eagle_train.train"}

@@ -42,7 +42,7 @@ def _random_case(seed: int = 0, b: int = 2, n: int = 7, d: int = 8, vocab: int =
 
 def test_loss_terms_match_a_direct_computation():
     pred, target, weight, ids, mask = _random_case()
-    terms = eagle_loss(pred, target, weight, ids, mask, w_v=1.0, w_p=0.1, soft=True)
+    terms = eagle_loss(pred, target, weight, ids, mask, feature_weight=1.0, token_weight=0.1, soft=True)
     p, t = pred[mask], target[mask]
     smooth_l1 = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
     soft_target = torch.softmax(t @ weight.T, -1)
@@ -77,7 +77,7 @@ def test_soft_ce_target_is_detached():
     pred, target, weight, ids, mask = _random_case(3)
     pred.requires_grad_(True)
     target.requires_grad_(True)
-    eagle_loss(pred, target, weight, ids, mask, w_v=0.0)["loss"].backward()
+    eagle_loss(pred, target, weight, ids, mask, feature_weight=0.0)["loss"].backward()
     assert pred.grad[mask].abs().sum() > 0
     assert torch.count_nonzero(target.grad) == 0  # the target's distribution is a constant
 

@@ -68,15 +68,20 @@ def _repository_files() -> list[str]:
     return [f for f in out.split("\0") if f and (REPO_ROOT / f).is_file()]
 
 
+def _copy_repository(dest: Path) -> Path:
+    """The repository's own files (tracked and new, not ignored) copied to `dest`."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git to list the repository's files")
+    for rel in _repository_files():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / rel, dest / rel)
+    return dest
+
+
 @pytest.mark.slow
 def test_a_copy_with_nothing_beside_it_runs_extract_train_and_evaluate(tmp_path):
     """The repository's own files, copied where no ../shared exists, run the main path end to end."""
-    if shutil.which("git") is None:
-        pytest.skip("needs git to list the repository's files")
-    repo = tmp_path / "alone" / "eagle-train"
-    for rel in _repository_files():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO_ROOT / rel, repo / rel)
+    repo = _copy_repository(tmp_path / "alone" / "eagle-train")
     assert not (repo.parent / "shared").exists()
     py, env = sys.executable, {"PYTHONPATH": str(repo)}
     where = _run([py, "-c", "import eagle_train; print(eagle_train.__file__)"], repo, **env).stdout.strip()
@@ -134,6 +139,7 @@ def test_a_copy_with_nothing_beside_it_runs_extract_train_and_evaluate(tmp_path)
 @pytest.mark.slow
 def test_the_installed_wheel_runs_from_another_directory(tmp_path):
     """`pip install .` (no -e): the wheel carries conf/ and data/, every path resolves from the package."""
+    source = _copy_repository(tmp_path / "source")  # setuptools builds in the tree: not in ours
     wheels = tmp_path / "wheels"
     _run(
         [
@@ -144,7 +150,7 @@ def test_the_installed_wheel_runs_from_another_directory(tmp_path):
             "-q",
             "--no-deps",
             "--no-build-isolation",
-            str(REPO_ROOT),
+            str(source),
             "-w",
             str(wheels),
         ],

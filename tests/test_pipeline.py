@@ -8,18 +8,22 @@ import json
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.pipeline import PipelineConfig, StageSpec
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.tinystories import parse_args as tinystories_args
+from eagle_train.entry import compose
 from eagle_train.pipeline import run
 
-PRESETS = ["tiny_cpu", "llama3_1_8b_instruct", "vicuna_7b", "qwen2_5_7b_instruct"]
+# (experiment, extra overrides, expected name): the GPU preset with every target preset
+PRESETS = [("tiny_cpu", [], "tiny_cpu")] + [
+    ("gpu_reference", [f"vars.target={t}"], t)
+    for t in ("llama3_1_8b_instruct", "vicuna_7b_v1_3", "qwen2_5_7b_instruct", "mistral_7b_instruct")
+]
 # stage module -> its Hydra primary config (conf/<name>.yaml)
 HYDRA_STAGES = {
     "eagle_train.regenerate": "regenerate",
@@ -36,8 +40,7 @@ SCHEMAS = {
 
 
 def compose_pipeline(overrides: list[str]) -> PipelineConfig:
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return to_schema(compose("pipeline", overrides=overrides), PipelineConfig)
+    return to_schema(compose("pipeline", overrides=overrides), PipelineConfig)
 
 
 def stage_config_name(spec: StageSpec) -> str | None:
@@ -46,10 +49,10 @@ def stage_config_name(spec: StageSpec) -> str | None:
     return "train" if "train.py" in spec.launcher else HYDRA_STAGES.get(spec.launcher[-1])
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_preset_stages_accept_their_overrides(preset, tmp_path):
-    cfg = compose_pipeline([f"experiment={preset}", f"run_dir={tmp_path}"])
-    assert cfg.name == preset and {"extract", "train", "evaluate"} <= set(cfg.stages)
+@pytest.mark.parametrize("preset, extra, name", PRESETS, ids=lambda v: str(v))
+def test_preset_stages_accept_their_overrides(preset, extra, name, tmp_path):
+    cfg = compose_pipeline([f"experiment={preset}", f"run_dir={tmp_path}", *extra])
+    assert cfg.name == name and {"extract", "train", "evaluate"} <= set(cfg.stages)
     assert cfg.report.startswith(str(tmp_path))
     for name, spec in cfg.stages.items():
         assert all(o.startswith(str(tmp_path)) or "${" not in o for o in spec.outputs)
@@ -57,8 +60,7 @@ def test_preset_stages_accept_their_overrides(preset, tmp_path):
         if spec.module == "eagle_train.data.tinystories":
             tinystories_args(spec.args)  # argparse exits on an unknown argument
         elif config_name is not None:  # the stage's own config and schema accept these overrides
-            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-                to_schema(compose(config_name, overrides=spec.args), SCHEMAS[config_name])
+            to_schema(compose(config_name, overrides=spec.args), SCHEMAS[config_name])
         else:
             raise AssertionError(f"{preset}/{name}: unknown stage command {spec}")
         if spec.module:

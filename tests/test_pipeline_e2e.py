@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.pipeline import PipelineConfig
+from eagle_train.entry import compose
 from eagle_train.pipeline import run
 
 REDUCED = {
@@ -22,10 +22,9 @@ REDUCED = {
 
 @pytest.mark.slow
 def test_reduced_demo(tmp_path, capsys):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = to_schema(
-            compose("pipeline", overrides=["experiment=tiny_cpu", f"run_dir={tmp_path}"]), PipelineConfig
-        )
+    cfg = to_schema(
+        compose("pipeline", overrides=["experiment=tiny_cpu", f"run_dir={tmp_path}"]), PipelineConfig
+    )
     cfg.overrides = REDUCED
     records = run(cfg)
     assert [r["stage"] for r in records] == ["prepare", "regenerate", "extract", "train", "evaluate"]

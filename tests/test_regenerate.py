@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import eagle_train.regenerate as regen
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
+from eagle_train.entry import compose
 from tests.conftest import DATA
 
 
@@ -39,12 +39,11 @@ def make_cfg(target_cfg, prompts, out, **kw) -> RegenerateConfig:
 
 
 def test_shipped_config_composes():
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = to_schema(compose("regenerate", overrides=["turns=all", "temperature=0.7"]), RegenerateConfig)
-        prompts = to_schema(
-            compose("regenerate", overrides=["data=sharegpt_prompts", "data.limit=5", "data.max_len=300"]),
-            RegenerateConfig,
-        )
+    cfg = to_schema(compose("regenerate", overrides=["turns=all", "temperature=0.7"]), RegenerateConfig)
+    prompts = to_schema(
+        compose("regenerate", overrides=["data=sharegpt_prompts", "data.limit=5", "data.max_len=300"]),
+        RegenerateConfig,
+    )
     assert (
         cfg.target.name == "stories260k"
         and cfg.turns == "all"

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import OptimConfig, TrainConfig
 from eagle_train.data.tinystories import build_tinystories_conversations
+from eagle_train.entry import compose
 from eagle_train.store import StoreMismatchError
 from eagle_train.train import run
 from eagle_train.training.data import collate, plan_epoch, split_by_id
@@ -42,21 +42,20 @@ def store(conversations, target_cfg, tmp_path_factory) -> Path:
 
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
     """The real composed config: conf/train.yaml + the CPU preset + test overrides."""
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                "+recipe=stories260k_cpu",
-                f"features={store}",
-                f"out_dir={out_dir}",
-                "progress=false",
-                "data.eval_fraction=0.1",
-                "max_tokens=1024",
-                "max_batch_size=4",
-                "eval_max_samples=8",
-                *overrides,
-            ],
-        )
+    cfg = compose(
+        "train",
+        overrides=[
+            "+recipe=stories260k_cpu",
+            f"features={store}",
+            f"out_dir={out_dir}",
+            "progress=false",
+            "data.eval_fraction=0.1",
+            "max_tokens=1024",
+            "max_batch_size=4",
+            "eval_max_samples=8",
+            *overrides,
+        ],
+    )
     return to_schema(cfg, TrainConfig)
 
 
@@ -69,12 +68,34 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def test_shipped_configs_compose(tmp_path):
     cfg = make_cfg(tmp_path / "store", tmp_path)
-    assert cfg.optim.lr == 1e-3 and cfg.loss.w_p == 0.1 and cfg.loss.soft
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        default = to_schema(compose("train", overrides=["features=x"]), TrainConfig)
+    assert cfg.optim.lr == 1e-3 and cfg.loss.token_weight == 0.1 and cfg.loss.soft
+    default = to_schema(compose("train", overrides=["features=x"]), TrainConfig)
     assert default.optim.lr == 3e-5 and default.optim.betas == [0.9, 0.95] and default.optim.clip == "value"
     with pytest.raises(ValueError, match="features=DIR"):
         TrainConfig()
+
+
+def test_old_loss_weight_names_are_accepted_with_a_deprecation_message():
+    with pytest.warns(DeprecationWarning, match="loss.w_p is deprecated: use loss.token_weight"):
+        cfg = to_schema(compose("train", ["features=x", "loss.w_v=2.0", "loss.w_p=0.5"]), TrainConfig)
+    assert (cfg.loss.feature_weight, cfg.loss.token_weight) == (2.0, 0.5)
+    assert cfg.loss.w_v is None and cfg.loss.w_p is None  # one value, under its new name
+    new = to_schema(compose("train", ["features=x", "loss.token_weight=0.5"]), TrainConfig)
+    assert new.loss.token_weight == 0.5 and new.loss.feature_weight == 1.0
+
+
+def test_schema_keys_need_no_plus_on_the_command_line():
+    """Every schema key exists in the composed config (the README's target.* overrides work as written)."""
+    cfg = to_schema(
+        compose(
+            "train",
+            ["features=x", "target.trust_remote_code=true", "target.max_len=256", "target.revision=main"],
+        ),
+        TrainConfig,
+    )
+    assert cfg.target.trust_remote_code and cfg.target.max_len == 256 and cfg.target.revision == "main"
+    with pytest.raises(Exception, match="no_such_key"):
+        compose("train", ["features=x", "optim.no_such_key=1"])
 
 
 def test_schedule_warms_up_then_decays():

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.tinystories import build_tinystories_conversations
+from eagle_train.entry import compose
 from eagle_train.train import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,8 +91,7 @@ def launch(launcher: list[str], store: Path, out: Path, env: dict | None = None)
 def single(store, tmp_path_factory) -> Path:
     """The reference: ONE process, grad_accum=2 (same global batch as 2 processes x 1), in this process."""
     out = tmp_path_factory.mktemp("single")
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*ARGS, f"features={store}", f"out_dir={out}", "grad_accum=2"])
+    cfg = compose("train", overrides=[*ARGS, f"features={store}", f"out_dir={out}", "grad_accum=2"])
     run(to_schema(cfg, TrainConfig))
     return out
 

@@ -16,9 +16,8 @@ class EvaluateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     draft: DraftConfig = field(default_factory=DraftConfig)  # draft.path: the head to evaluate (any layout)
-    decode: DecodeConfig = field(
-        default_factory=DecodeConfig
-    )  # shared decode settings (method is set per run)
+    # shared decode settings (the method is set per run); answers of up to 256 tokens
+    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(max_new_tokens=256))
     # benchmark names (mt_bench humaneval gsm8k alpaca sum qa tinystories) or JSONL paths; one name or a list
     bench: Any = "mt_bench"
     methods: list[str] = field(

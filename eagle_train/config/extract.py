@@ -19,9 +19,7 @@ class ExtractConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     data: DataConfig = field(default_factory=DataConfig)  # the ShareGPT conversations to extract
-    out_dir: str = (
-        "outputs/features"  # the store directory (conf/extract.yaml: outputs/features/<target>/<data>)
-    )
+    out_dir: str = "outputs/features/${target.name}/${data.name}"  # the store directory
     dtype: str = "bfloat16"  # stored hidden-state dtype: bfloat16 | float16 | float32
     max_tokens: int = 16384  # token budget of one target forward (batch size x padded length)
     max_batch_size: int = 64  # most conversations in one target forward

@@ -16,7 +16,8 @@ class RegenerateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the model that writes the replies
     data: DataConfig = field(default_factory=DataConfig)  # ShareGPT prompts (replies, if any, are replaced)
-    out: str = ""  # output ShareGPT JSONL; a rerun skips ids already in it (or in its .part files)
+    # output ShareGPT JSONL; a rerun skips ids already in it (or in its .part files)
+    out: str = "outputs/regenerated/${target.name}_${data.name}.jsonl"
     turns: str = "first"  # first: reply to the first user turn only | all: every user turn, in order
     batch_size: int = 16  # prompts per `generate` call (left-padded)
     max_new_tokens: int = 256  # reply budget; a prompt + budget beyond the context length is skipped

@@ -6,12 +6,15 @@ Defaults follow the reference recipe where it makes sense for a 7B target;
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass, field
 
 from eagle_train.config.data import DataConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
+log = logging.getLogger(__name__)
 SOURCES = ("offline", "online")
 SCHEDULES = ("constant", "linear", "cosine")
 CLIPS = ("norm", "value", "none")
@@ -58,17 +61,25 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    """w_v * SmoothL1(features) + w_p * CE(tokens); noise on the input features."""
+    """feature_weight * SmoothL1(features) + token_weight * CE(tokens); noise on the input features."""
 
-    w_v: float = 1.0  # weight of the feature regression (SmoothL1)
-    w_p: float = 0.1  # weight of the token cross entropy
-    soft: bool = (
-        True  # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
-    )
+    feature_weight: float = 1.0  # weight of the feature regression (SmoothL1); the reference's w_v
+    token_weight: float = 0.1  # weight of the token cross entropy; the reference's w_p
+    # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
+    soft: bool = True
     noise: str = "uniform"  # uniform U(-scale, scale) | length_scaled (reference code) | none
     noise_scale: float = 0.1  # noise amplitude
+    w_v: float | None = None  # deprecated alias of feature_weight
+    w_p: float | None = None  # deprecated alias of token_weight
 
     def __post_init__(self) -> None:
+        for old, new in (("w_v", "feature_weight"), ("w_p", "token_weight")):
+            value = getattr(self, old)
+            if value is not None:
+                warnings.warn(f"loss.{old} is deprecated: use loss.{new}", DeprecationWarning, stacklevel=2)
+                log.warning("loss.%s is deprecated, use loss.%s (taking %s=%s)", old, new, new, value)
+                setattr(self, new, float(value))
+                setattr(self, old, None)
         if self.noise not in NOISE_MODES:
             raise ValueError(f"loss.noise must be one of {NOISE_MODES}, got {self.noise!r}")
 

@@ -1,1 +1,0 @@
-"""Data: ShareGPT loading and normalisation, chat templates with assistant loss masks, batching."""

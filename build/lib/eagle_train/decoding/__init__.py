@@ -1,1 +1,0 @@
-"""Speculative decoding: draft trees (tree, expand), verification (verify), the decoder (decoder)."""

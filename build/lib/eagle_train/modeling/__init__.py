@@ -1,1 +1,0 @@
-"""Model adapters: the frozen target (`target.py`) and the EAGLE draft head (`draft.py`)."""
