@@ -61,8 +61,3 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The DictConfig a stage would see for these command-line overrides (tests, scripts)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=stage, overrides=list(overrides))
-
-
-def load_config(stage: str, overrides: Sequence[str] = ()) -> Any:
-    """The typed config a stage would run with for these command-line overrides."""
-    return to_schema(compose(stage, overrides), SCHEMAS[stage])

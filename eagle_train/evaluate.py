@@ -28,9 +28,10 @@ from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.stats import GenerationStats
+from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.entry import stage_main
 from eagle_train.files import atomic_write_lines
+from eagle_train.modeling.hf_generate import HFGenerate
 from eagle_train.modeling.interop import load_draft
 from eagle_train.modeling.target import Target, load_target
 from eagle_train.report import BASELINE, markdown_table, write_report
@@ -45,12 +46,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_decoders(cfg: EvaluateConfig, target: Target) -> dict[str, SpeculativeDecoder]:
+def make_decoders(cfg: EvaluateConfig, target: Target) -> dict[str, SpeculativeDecoder | HFGenerate]:
     """One decoder per method (ar first when present); the head is loaded once if any method needs it."""
     needs_head = any(m not in ("ar", "hf") for m in cfg.methods)
     head = load_draft(cfg.draft.path, target) if needs_head else None
-    methods = sorted(cfg.methods, key=lambda m: m != BASELINE)
-    return {m: SpeculativeDecoder(target, head, dataclasses.replace(cfg.decode, method=m)) for m in methods}
+    decoders: dict[str, SpeculativeDecoder | HFGenerate] = {}
+    for method in sorted(cfg.methods, key=lambda m: m != BASELINE):
+        decode = dataclasses.replace(cfg.decode, method=method)
+        decoders[method] = (
+            HFGenerate(target, decode) if method == "hf" else SpeculativeDecoder(target, head, decode)
+        )
+    return decoders
 
 
 def fit_prompt(ids: list[int], limit: int) -> tuple[list[int], int]:
@@ -60,24 +66,16 @@ def fit_prompt(ids: list[int], limit: int) -> tuple[list[int], int]:
     return ids[:1] + ids[len(ids) - (limit - 1) :], len(ids) - limit
 
 
-def calibration_pairs(stats: GenerationStats, method: str) -> list[list[float]]:
-    """[confidence, accepted] of the draft nodes whose parent was accepted (so the node was really tested).
-
-    Chains: node k is tested when the round accepted k-1. Trees: depth-1 nodes (their parent is the
-    root); deeper ones only if the stats say whether their parent was accepted."""
-    parent_ok = getattr(stats, "node_parent_accepted", None)
-    pairs, start = [], 0
-    for accepted, size in zip(stats.accepted_per_round, stats.tree_size_per_round, strict=True):
-        end = start + size - 1  # nodes of this round, root excluded
-        for i in range(start, min(end, len(stats.node_confidence))):
-            depth = stats.node_depth[i]
-            tested = (
-                parent_ok[i] if parent_ok else (depth <= accepted + 1 if method == "chain" else depth == 1)
-            )
-            if tested:
-                pairs.append([stats.node_confidence[i], int(stats.node_accepted[i])])
-        start = end
-    return pairs
+def calibration_pairs(stats: GenerationStats) -> list[list[float]]:
+    """[confidence, accepted] of every draft node whose parent was accepted (so the node was really
+    tested against the target), chains and trees alike."""
+    return [
+        [confidence, int(accepted)]
+        for confidence, accepted, tested in zip(
+            stats.node_confidence, stats.node_accepted, stats.node_parent_accepted, strict=False
+        )
+        if tested
+    ]
 
 
 def answer_record(result, method: str, wall_s: float) -> dict:
@@ -92,7 +90,7 @@ def answer_record(result, method: str, wall_s: float) -> dict:
         # plain decoding: every token is a round of one; speculative: accepted drafts + 1 per round
         "accept_lengths": [a + 1 for a in rounds] if rounds else [1] * len(result.tokens),
         "draft_depths": list(stats.tree_depth_per_round) if rounds else [0] * len(result.tokens),
-        "confidence": calibration_pairs(stats, method),
+        "confidence": calibration_pairs(stats),
         "time_draft": stats.time_draft,
         "time_verify": stats.time_verify,
         "time_target_forward": stats.time_target_forward,
@@ -102,7 +100,10 @@ def answer_record(result, method: str, wall_s: float) -> dict:
 
 
 def answer_question(
-    decoders: dict[str, SpeculativeDecoder], renderer: ChatRenderer, question: Question, prompt_limit: int
+    decoders: dict[str, SpeculativeDecoder | HFGenerate],
+    renderer: ChatRenderer,
+    question: Question,
+    prompt_limit: int,
 ) -> list[dict]:
     """Answer every turn of `question` with every method; each method keeps its own answers in context."""
     tokenizer = renderer.tokenizer
@@ -156,8 +157,8 @@ def evaluate_bench(bench: str, cfg: EvaluateConfig, decoders, renderer, prompt_l
 
 
 def _running_tau(records: list[dict]) -> str:
-    lengths = [x for r in records if r["method"] != BASELINE for x in r["accept_lengths"]]
-    return f"{sum(lengths) / len(lengths):.2f}" if lengths else "-"
+    tau = mean_accept_length(x for r in records if r["method"] != BASELINE for x in r["accept_lengths"])
+    return "-" if tau is None else f"{tau:.2f}"
 
 
 def write_answers(records: list[dict], path: Path) -> None:

@@ -14,7 +14,6 @@ manifest.json. See `eagle_train.store` for the layout.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +48,6 @@ from eagle_train.store import (
 )
 
 log = logging.getLogger(__name__)
-# Testing hook: a process exits (like a kill, no cleanup) after writing this many shards.
-STOP_AFTER_ENV = "EAGLE_TRAIN_EXTRACT_STOP_AFTER_SHARDS"
 
 
 @dataclass
@@ -72,7 +69,7 @@ def tokenize(
     cfg: DataConfig, messages: datasets.Dataset, report: DropReport, target: Target
 ) -> Conversations:
     """Render and tokenize with the target's template, truncated to data.max_len or the target's."""
-    max_len = min(cfg.max_len or target.max_len, target.max_len)
+    max_len = target.length_limit(cfg.max_len)
     renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
     dataset, token_report = tokenize_conversations(messages, renderer)
     report = report.merge(token_report)
@@ -173,7 +170,6 @@ def extract_shards(
     todo = [k for k in mine if completed_shard(out_dir, k, shard_extra(plan[k])) is None]
     if len(todo) < len(mine):
         log.info("process %d: keeping %d completed shards", accelerator.process_index, len(mine) - len(todo))
-    stop_after = int(os.environ.get(STOP_AFTER_ENV, "0") or 0)
     total = sum(plan[k][1] - plan[k][0] for k in todo)
     bar = tqdm(
         total=total, unit="conv", desc="extract", disable=not (cfg.progress and accelerator.is_main_process)
@@ -186,7 +182,7 @@ def extract_shards(
         bar.update(conversations)
         bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
 
-    for done, k in enumerate(todo, start=1):
+    for k in todo:
         begin, end = plan[k]
         rows = data.dataset[begin:end]
         samples = extract_rows(
@@ -194,8 +190,6 @@ def extract_shards(
         )
         extra = {**shard_extra(plan[k]), "process": accelerator.process_index}
         write_shard(out_dir, k, samples, cfg.dtype, target.vocab_size, extra=extra)
-        if stop_after and done >= stop_after:
-            os._exit(17)
     bar.close()
 
 

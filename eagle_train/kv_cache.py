@@ -13,7 +13,32 @@ valid. Pure torch: the Hugging Face adapter lives in `modeling/target.py`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Query heads, key/value heads and the width of one head of a Llama-style attention."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config: Any) -> AttentionShape:
+    """The attention shape of a Hugging Face config (the object or its `to_dict()`): `head_dim` defaults
+    to hidden_size // heads and the key/value heads to the query heads, as transformers does. The one
+    home of that rule (caches, the draft head, imported heads)."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    heads = int(get("num_attention_heads"))
+    return AttentionShape(
+        heads=heads,
+        kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or int(get("hidden_size")) // heads),
+    )
 
 
 class StaticKVCache:

@@ -110,18 +110,3 @@ def combine_terms(
     smooth_l1 = sums["smooth_l1"] / denom
     ce = sums["ce"] / denom
     return {"loss": feature_weight * smooth_l1 + token_weight * ce, "smooth_l1": smooth_l1, "ce": ce}
-
-
-def eagle_loss(
-    pred_hidden: torch.Tensor,
-    target_hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    feature_weight: float = 1.0,
-    token_weight: float = 0.1,
-    soft: bool = True,
-) -> dict[str, torch.Tensor]:
-    """The EAGLE loss averaged over this batch's masked positions: named terms loss, smooth_l1, ce."""
-    sums = eagle_loss_sums(pred_hidden, target_hidden, lm_head_weight, target_ids, loss_mask, soft)
-    return combine_terms(sums, sums["tokens"], feature_weight, token_weight)

@@ -210,11 +210,6 @@ def merge(out: Path, order: dict[str, int]) -> int:
 # --------------------------------------------------------------------------------------------- the stage
 
 
-def context_limit(cfg: RegenerateConfig, target: Target) -> int:
-    """Longest prompt + reply: the target's context, or the training length (data.max_len) if smaller."""
-    return min(target.max_len, cfg.data.max_len or target.max_len)
-
-
 def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
     """Regenerate the replies of `cfg.data` into `cfg.out`; returns the counts (also in <out>.stats.json)."""
     if not cfg.out:
@@ -232,7 +227,9 @@ def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
     pending = [n for n, i in enumerate(ids) if i not in done][rank::world]
 
     target = load_target(cfg.target, accelerator.device)
-    renderer = ChatRenderer(target.tokenizer, cfg.target, context_limit(cfg, target))
+    # longest prompt + reply: the target's context, or the training length (data.max_len) if smaller
+    limit = target.length_limit(cfg.data.max_len)
+    renderer = ChatRenderer(target.tokenizer, cfg.target, limit)
     convs = [Conversation.from_messages(ids[n], dataset[n]["messages"], cfg.turns) for n in pending]
     first_len = {
         c.id: len(renderer.render_prompt(c.history + [{"role": "user", "content": c.users[0]}]))
@@ -260,7 +257,7 @@ def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
         for number, lo in enumerate(range(0, len(convs), cfg.batch_size)):
             group = convs[lo : lo + cfg.batch_size]
             seed = cfg.seed + rank * 1_000_003 + number * 101
-            records, counts = regenerate_group(target, renderer, group, cfg, context_limit(cfg, target), seed)
+            records, counts = regenerate_group(target, renderer, group, cfg, limit, seed)
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             f.flush()
             stats.update(counts)

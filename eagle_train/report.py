@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from eagle_train.decoding.stats import acceptance_by_position, mean_accept_length
 from eagle_train.files import atomic_path, atomic_write_json, atomic_write_text
 
 BASELINE = "ar"
@@ -37,19 +38,14 @@ def group_records(records: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
     return dict(groups)
 
 
-def acceptance_by_position(records: list[dict]) -> list[float | None]:
-    """Conditional acceptance rate of draft positions 1..deepest (None where no round reached k-1)."""
+def rounds_acceptance(records: list[dict]) -> list[float | None]:
+    """Acceptance by position over every round of these records (eagle_train.decoding.stats)."""
     rounds = [
         (length - 1, depth)
         for r in records
         for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True)
     ]
-    deepest = max((d for _, d in rounds), default=0)
-    rates: list[float | None] = []
-    for k in range(1, deepest + 1):
-        reached = [a for a, d in rounds if d >= k and a >= k - 1]  # rounds that offered k and accepted 1..k-1
-        rates.append(sum(a >= k for a in reached) / len(reached) if reached else None)
-    return rates
+    return acceptance_by_position([a for a, _ in rounds], [d for _, d in rounds])
 
 
 def calibration(records: list[dict], bins: int = CALIBRATION_BINS) -> list[dict[str, float]]:
@@ -76,7 +72,7 @@ def calibration(records: list[dict], bins: int = CALIBRATION_BINS) -> list[dict[
 
 def summarize_group(records: list[dict]) -> dict[str, Any]:
     """Figures of one (bench, method): tau, acceptance by position, tokens/s, identity count."""
-    lengths = [x for r in records for x in r.get("accept_lengths", [])]
+    lengths = [x for r in records for x in r.get("accept_lengths", [])]  # one per round
     new_tokens = sum(r["new_tokens"] for r in records)
     wall = sum(r["wall_s"] for r in records)
     checked = [r["identical"] for r in records if r.get("identical") is not None]
@@ -88,9 +84,9 @@ def summarize_group(records: list[dict]) -> dict[str, Any]:
         "rounds": len(lengths),
         "new_tokens": new_tokens,
         "wall_s": wall,
-        "tau": sum(lengths) / len(lengths) if lengths else None,
+        "tau": mean_accept_length(lengths),
         "tokens_per_s": new_tokens / wall if wall > 0 else None,
-        "acceptance_by_position": acceptance_by_position(records),
+        "acceptance_by_position": rounds_acceptance(records),
         "identical": sum(checked) if checked else None,
         "identity_checked": len(checked),
         "prompts_cut": sum(1 for r in records if r.get("prompt_cut")),

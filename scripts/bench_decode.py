@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.hf_generate import HFGenerate
 from eagle_train.modeling.target import load_target
 from eagle_train.regenerate import generate_batch
 
@@ -99,12 +101,12 @@ def train_draft(
 def time_methods(target, head, prompts, methods, max_new_tokens: int, repeats: int) -> dict:
     """Median time per (prompt, method), tokens, and the speculative stats; checks greedy equality."""
     results = {name: {"times": [], "tokens": 0, "stats": []} for name in methods}
-    decoders = {
-        name: SpeculativeDecoder(
-            target, head, DecodeConfig(**{**cfg.__dict__, "max_new_tokens": max_new_tokens})
+    decoders = {}
+    for name, cfg in methods.items():
+        cfg = replace(cfg, max_new_tokens=max_new_tokens)
+        decoders[name] = (
+            HFGenerate(target, cfg) if cfg.method == "hf" else SpeculativeDecoder(target, head, cfg)
         )
-        for name, cfg in methods.items()
-    }
     for i, prompt in enumerate(prompts):
         runs: dict[str, list] = {name: [] for name in methods}
         for _ in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method

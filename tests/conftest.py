@@ -51,3 +51,27 @@ def target(target_cfg):
 
     torch.manual_seed(0)
     return load_target(target_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_conversations(tmp_path_factory) -> Path:
+    """64 TinyStories conversations (the shipped builder), built once per test run."""
+    from eagle_train.data.tinystories import build_tinystories_conversations
+
+    path = tmp_path_factory.mktemp("conversations") / "tinystories.jsonl"
+    build_tinystories_conversations(out_path=path, limit=64)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
+    """A float32 feature store of `tiny_conversations` from the real target, extracted once per test run
+    (tests that change it copy it first)."""
+    from eagle_train.config.data import DataConfig
+    from eagle_train.config.extract import ExtractConfig
+    from eagle_train.extract import run as extract
+
+    out = tmp_path_factory.mktemp("store") / "features"
+    data = DataConfig(name="tinystories", path=str(tiny_conversations))
+    extract(ExtractConfig(target=target_cfg, data=data, out_dir=str(out), dtype="float32", progress=False))
+    return out

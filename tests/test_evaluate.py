@@ -12,7 +12,9 @@ from eagle_train.config.base import to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.decoding.decoder import Round, record_rounds
 from eagle_train.decoding.stats import GenerationStats
+from eagle_train.decoding.tree import build_tree
 from eagle_train.entry import compose
 from eagle_train.evaluate import calibration_pairs, fit_prompt, run
 from eagle_train.modeling.checkpoint import save_head
@@ -96,22 +98,25 @@ def test_fit_prompt_keeps_start_and_end():
     assert fit_prompt([1, 2, 3, 4, 5, 6], 4) == ([1, 4, 5, 6], 2)
 
 
-def test_calibration_pairs_for_chains_and_trees():
-    # two rounds of a chain of 3: accepted 1 (nodes 1, 2 tested), then 3 (all tested)
-    stats = GenerationStats(
-        accepted_per_round=[1, 3],
-        tree_size_per_round=[4, 4],
-        node_depth=[1, 2, 3] * 2,
-        node_confidence=[0.9, 0.5, 0.4, 0.8, 0.7, 0.6],
-        node_accepted=[1, 0, 0, 1, 1, 1],
+def scripted_round(parents: list[int], path: list[int], confidence: list[float]) -> Round:
+    tree = build_tree(torch.arange(len(parents)), parents)
+    tree.confidence = torch.tensor(confidence)
+    return Round(tree, path, [0] * len(path), torch.zeros(len(path), 1))
+
+
+def test_calibration_pairs_use_every_tested_node():
+    """A node is tested when its parent was accepted: every depth of a tree, not only depth 1."""
+    stats = GenerationStats()
+    record_rounds(
+        [
+            # chain of 3, accepted 1: nodes 1 and 2 tested, node 3 not
+            scripted_round([-1, 0, 1, 2], [0, 1], [1.0, 0.9, 0.5, 0.4]),
+            # tree: root -> 1, 2; 1 -> 3; 2 -> 4; path 0-1-3: nodes 1, 2, 3 tested (4's parent rejected)
+            scripted_round([-1, 0, 0, 1, 2], [0, 1, 3], [1.0, 0.6, 0.3, 0.9, 0.2]),
+        ],
+        stats,
     )
-    assert calibration_pairs(stats, "chain") == [[0.9, 1], [0.5, 0], [0.8, 1], [0.7, 1], [0.6, 1]]
-    # a tree (root + two children + one grandchild): only depth-1 nodes are known to be tested
-    tree = GenerationStats(
-        accepted_per_round=[2],
-        tree_size_per_round=[4],
-        node_depth=[1, 1, 2],
-        node_confidence=[0.6, 0.3, 0.9],
-        node_accepted=[1, 0, 1],
-    )
-    assert calibration_pairs(tree, "eagle2") == [[0.6, 1], [0.3, 0]]
+    assert stats.node_parent_accepted == [True, True, False, True, True, True, False]
+    pairs = calibration_pairs(stats)
+    assert [ok for _, ok in pairs] == [1, 0, 1, 0, 1]
+    assert [c for c, _ in pairs] == pytest.approx([0.9, 0.5, 0.6, 0.3, 0.9])

@@ -15,21 +15,25 @@ import torch
 
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
-from eagle_train.extract import STOP_AFTER_ENV, run
+from eagle_train.extract import run
 from eagle_train.store import MANIFEST_NAME, FeatureStore, shard_name
 from tests.conftest import DATA
+from tests.kill_after import KILLED
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[1]
+KILL_AFTER = REPO_ROOT / "tests" / "kill_after.py"
 FASTCHAT = str(DATA / "sharegpt" / "fastchat_dummy_conversation.json")
 # 10 short FastChat conversations in shards of 3 -> 4 shards
 ARGS = ["data=fastchat_dummy", "data.limit=10", "data.max_len=96", "shard_samples=3", "progress=false"]
 
 
 def extract_cli(
-    out_dir: Path, *extra: str, env: dict[str, str] | None = None, launcher: list[str] | None = None
+    out_dir: Path, *extra: str, env: dict[str, str] | None = None, command: list[str] | None = None
 ):
-    cmd = [*(launcher or [sys.executable]), "-m", "eagle_train.extract", *ARGS, f"out_dir={out_dir}", *extra]
+    """`command` (default `python -m eagle_train.extract`) with the test's overrides."""
+    command = command or [sys.executable, "-m", "eagle_train.extract"]
+    cmd = [*command, *ARGS, f"out_dir={out_dir}", *extra]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=600)
 
@@ -66,9 +70,9 @@ def free_port() -> int:
 def test_two_processes_equal_one(tmp_path, reference_store):
     accelerate = [
         str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--main_process_port", str(free_port()),
+        "--num_machines", "1", "--main_process_port", str(free_port()), "-m", "eagle_train.extract",
     ]  # fmt: skip
-    result = extract_cli(tmp_path, env={"ACCELERATE_USE_CPU": "true"}, launcher=accelerate)
+    result = extract_cli(tmp_path, env={"ACCELERATE_USE_CPU": "true"}, command=accelerate)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     store = FeatureStore(tmp_path)
     assert_same_store(store, reference_store)
@@ -82,8 +86,11 @@ def test_two_processes_equal_one(tmp_path, reference_store):
 
 
 def test_killed_run_resumes_to_the_same_store(tmp_path, reference_store):
-    killed = extract_cli(tmp_path, env={STOP_AFTER_ENV: "1"})
-    assert killed.returncode != 0
+    # killed right after its first shard is written (the fault comes from tests/kill_after.py)
+    killed = extract_cli(
+        tmp_path, command=[sys.executable, str(KILL_AFTER), "eagle_train.extract", "write_shard", "1"]
+    )
+    assert killed.returncode == KILLED, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert (tmp_path / shard_name(0)).exists() and not (tmp_path / shard_name(1)).exists()
     assert not (tmp_path / MANIFEST_NAME).exists()
     kept = (tmp_path / shard_name(0)).stat().st_mtime_ns

@@ -59,3 +59,16 @@ def test_overflow_is_refused():
         cache.update(0, torch.zeros(1, 1, 5, 1), torch.zeros(1, 1, 5, 1))
     with pytest.raises(ValueError, match="overflow"):
         cache.advance(5)
+
+
+def test_attention_shape_defaults_like_transformers():
+    from transformers import LlamaConfig
+
+    from eagle_train.kv_cache import AttentionShape, attention_shape
+
+    explicit = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "hidden_size": 64}
+    assert attention_shape(explicit) == AttentionShape(heads=8, kv_heads=4, head_dim=8)
+    assert attention_shape({"num_attention_heads": 8, "hidden_size": 64}) == AttentionShape(8, 8, 8)
+    assert attention_shape({**explicit, "head_dim": 32}).head_dim == 32  # a head wider than hidden/heads
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert attention_shape(config) == AttentionShape(4, 2, 16) == attention_shape(config.to_dict())

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss, eagle_loss_sums, shift_sequence
+from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums, shift_sequence
+
+
+def eagle_loss(pred, target, weight, ids, mask, feature_weight=1.0, token_weight=0.1, soft=True):
+    """The loss averaged over one batch's masked positions, as the trainer forms it (sums, then terms)."""
+    sums = eagle_loss_sums(pred, target, weight, ids, mask, soft)
+    return combine_terms(sums, sums["tokens"], feature_weight, token_weight)
 
 
 def test_shift_aligns_inputs_targets_and_mask_by_hand():

@@ -177,7 +177,6 @@ def test_two_processes_with_accelerate_equal_one(target_cfg, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 12)
     args = [
         f"data.path={tmp_path / 'p.jsonl'}",
-        "data.build=null",
         "batch_size=4",
         "max_new_tokens=16",
         "num_threads=1",

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eagle_train.report import acceptance_by_position, calibration, summarize, write_report
+from eagle_train.decoding.stats import GenerationStats
+from eagle_train.report import calibration, rounds_acceptance, summarize, write_report
 
 
 def record(method, qid, accept_lengths, wall_s, identical=None, depth=3, confidence=(), bench="tiny"):
@@ -46,7 +47,19 @@ def test_summary_figures(records):
     assert chain["identical"] == 1 and chain["identity_checked"] == 2
     # position 1: 5 rounds reach it, 3 accept (lengths 4, 3, 3); position 2: those 3 reach, all accept;
     # position 3: 3 reach, 1 accepts (length 4)
-    assert acceptance_by_position(records[2:]) == pytest.approx([3 / 5, 1.0, 1 / 3])
+    assert rounds_acceptance(records[2:]) == pytest.approx([3 / 5, 1.0, 1 / 3])
+
+
+def test_report_and_decoder_statistics_agree(records):
+    """tau and acceptance by position have one home: the decoder's stats and the report give the same."""
+    stats = GenerationStats(accepted_per_round=[3, 0, 2, 2, 0], tree_depth_per_round=[3] * 5)
+    rows = {r["method"]: r for r in summarize(records)}
+    assert stats.tau == pytest.approx(rows["chain"]["tau"])
+    assert stats.acceptance_by_position == pytest.approx(rows["chain"]["acceptance_by_position"])
+    assert GenerationStats(accepted_per_round=[0], tree_depth_per_round=[2]).acceptance_by_position == [
+        0.0,
+        None,
+    ]
 
 
 def test_calibration_bins(records):

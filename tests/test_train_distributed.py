@@ -19,31 +19,13 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_train.config.base import to_schema
-from eagle_train.config.data import DataConfig
-from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
-from eagle_train.data.tinystories import build_tinystories_conversations
 from eagle_train.entry import compose
 from eagle_train.train import run
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def store(target_cfg, tmp_path_factory) -> Path:
-    from eagle_train.extract import run as extract
-
-    root = tmp_path_factory.mktemp("dist")
-    build_tinystories_conversations(out_path=root / "conv.jsonl", limit=48)
-    data = DataConfig(name="tinystories", path=str(root / "conv.jsonl"))
-    extract(
-        ExtractConfig(
-            target=target_cfg, data=data, out_dir=str(root / "store"), dtype="float32", progress=False
-        )
-    )
-    return root / "store"
 
 
 def free_port() -> int:
@@ -88,10 +70,10 @@ def launch(launcher: list[str], store: Path, out: Path, env: dict | None = None)
 
 
 @pytest.fixture(scope="module")
-def single(store, tmp_path_factory) -> Path:
+def single(tiny_store, tmp_path_factory) -> Path:
     """The reference: ONE process, grad_accum=2 (same global batch as 2 processes x 1), in this process."""
     out = tmp_path_factory.mktemp("single")
-    cfg = compose("train", overrides=[*ARGS, f"features={store}", f"out_dir={out}", "grad_accum=2"])
+    cfg = compose("train", overrides=[*ARGS, f"features={tiny_store}", f"out_dir={out}", "grad_accum=2"])
     run(to_schema(cfg, TrainConfig))
     return out
 
@@ -105,8 +87,8 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final" / "model.safetensors"))
 
 
-def test_two_process_ddp_equals_one_process_with_the_same_global_batch(store, single, tmp_path):
-    ddp = launch(two_processes(), store, tmp_path / "ddp", env={"ACCELERATE_USE_CPU": "true"})
+def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tiny_store, single, tmp_path):
+    ddp = launch(two_processes(), tiny_store, tmp_path / "ddp", env={"ACCELERATE_USE_CPU": "true"})
     reference = read_losses(single)
     assert [m["step"] for m in ddp] == [1, 2, 3, 4]
     for a, b in zip(ddp, reference, strict=True):
@@ -117,12 +99,12 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(store, si
     assert any(not torch.equal(wa[k], at_step2[k]) for k in wa)  # it trained between the checkpoints
 
 
-def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(store, single, tmp_path):
+def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(tiny_store, single, tmp_path):
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     ShareMemCommBuilder().load()  # JIT-build DeepSpeed's CPU comm op once, outside the 2 ranks (cached)
     config = str(REPO / "conf" / "accelerate" / "deepspeed_zero2.yaml")
-    ds = launch(two_processes(config), store, tmp_path / "ds")
+    ds = launch(two_processes(config), tiny_store, tmp_path / "ds")
     # gradients really average over both ranks: ZeRO-2 follows the 1-process run step for step
     for a, b in zip(ds, read_losses(single), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -21,8 +22,8 @@ class DecodeConfig:
         "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
     )
     chain_length: int = 4  # chain: draft tokens per round
-    tree: str = "mc_sim_7b_63"  # eagle1: name of a conf/tree/<name>.yaml file
-    tree_paths: Any = None  # eagle1: explicit list of rank paths (overrides `tree`)
+    tree: str = "mc_sim_7b_63"  # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path)
+    tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
     depth: int = 5  # eagle2: draft forwards per round after the first (tree depth = depth + 1)
     top_k: int = 10  # eagle2: nodes expanded per depth and children kept per node
     total_tokens: int = 60  # eagle2: tree size including the root
@@ -48,26 +49,19 @@ class DecodeConfig:
             raise ValueError(f"decode.depth and decode.top_k must be >= 1, got {self.depth}, {self.top_k}")
         if self.total_tokens < 2:
             raise ValueError(f"decode.total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
+        if self.method == "eagle1":  # the tree file is read here, once, never by the decoder
+            paths = self.tree_paths if self.tree_paths is not None else load_tree_paths(self.tree)
+            self.tree_paths = [[int(r) for r in p] for p in paths]
 
     @property
     def speculative(self) -> bool:
         return self.method in SPECULATIVE
-
-    def static_paths(self) -> list[list[int]]:
-        """The static tree of `chain` / `eagle1` as rank paths."""
-        if self.method == "chain":
-            return [[0] * k for k in range(1, self.chain_length + 1)]
-        if self.tree_paths is not None:
-            return [[int(r) for r in p] for p in self.tree_paths]
-        return load_tree_paths(self.tree)
 
 
 def load_tree_paths(name: str) -> list[list[int]]:
     """Rank paths of the shipped tree `conf/tree/<name>.yaml` (or of a YAML file path)."""
     path = CONF_DIR / "tree" / f"{name}.yaml"
     if not path.is_file():
-        from pathlib import Path
-
         path = Path(name)
     if not path.is_file():
         shipped = sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml"))

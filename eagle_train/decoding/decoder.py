@@ -1,4 +1,4 @@
-"""The speculative decoder: chain, EAGLE-1 static tree and EAGLE-2 dynamic tree, plus two baselines.
+"""The speculative decoder: chain, EAGLE-1 static tree and EAGLE-2 dynamic tree, plus plain decoding.
 
 Public API (batch size 1):
 
@@ -11,21 +11,25 @@ Public API (batch size 1):
     result.stop_reason                              # "stop_token" | "stop_string" | "max_new_tokens" | "context"
     result.stats.tau, result.stats.acceptance_by_position, result.stats.to_dict()
 
-`target` is an `eagle_train.modeling.target.Target` (stock HF model + `decode` on a static KV cache);
-`head` a `DraftHead` whose shared embedding / LM head are filled (None for methods `ar` and `hf`).
-Methods: `ar` plain decoding in this harness (same cache code, one target forward per token), `hf`
-Hugging Face `generate` (a second reference), `chain`, `eagle1` (static tree from conf/tree),
-`eagle2` (dynamic tree). temperature 0 = greedy: the output equals `ar` token for token; temperature > 0:
-lossless rejection sampling (`decoding.verify`), the output is distributed as the target's.
+`target` is any `TargetModel` (the stock HF model behind `eagle_train.modeling.target.Target`: `decode`
+on a static KV cache); `head` a `DraftModel` (`DraftHead` with the target's embedding / LM head shared;
+None for `ar`). Methods: `ar` plain decoding in this harness (same cache code, one target forward per
+token), `chain`, `eagle1` (the static tree `cfg.tree_paths`), `eagle2` (dynamic tree). The method is
+chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token;
+temperature > 0: lossless rejection sampling (`decoding.verify`), the output is distributed as the
+target's. Hugging Face `generate`, the second baseline, lives outside this pure decoder
+(`eagle_train.modeling.hf_generate`).
 
-Generation stops at a stop token (`Target.stop_token_ids`), a stop string, max_new_tokens, or when the
-sequence reaches the context limit `Target.max_len` (prompt + generated <= max_len).
+Generation stops at a stop token (`TargetModel.stop_token_ids`), a stop string, max_new_tokens, or when the
+sequence reaches the context limit `TargetModel.max_len` (prompt + generated <= max_len).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +37,42 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
 from eagle_train.decoding.stats import GenerationStats, Stopwatch
-from eagle_train.decoding.tree import Tree, shape_from_paths
+from eagle_train.decoding.tree import Tree, chain_paths, shape_from_paths
 from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
+from eagle_train.kv_cache import StaticKVCache
+
+
+class TargetModel(Protocol):
+    """What the decoder needs from the target (eagle_train.modeling.target.Target provides it)."""
+
+    device: torch.device
+    max_len: int  # the context limit: prompt + generated tokens
+    stop_token_ids: list[int]
+    tokenizer: Any  # decodes ids for stop strings
+
+    def new_cache(self, capacity: int) -> StaticKVCache: ...
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # (logits [1, q, vocab], features [1, q, hidden])
+
+
+class DraftModel(Protocol):
+    """What the decoder needs from a draft head (eagle_train.modeling.draft.DraftHead provides it)."""
+
+    config: Any  # Llama config: hidden size, attention shape, layers
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+    def __call__(
+        self, input_ids, features, position_ids=None, attention_mask=None, cache=None
+    ) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -46,7 +84,7 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-class _Output:
+class StopRules:
     """The generated tokens and every stop rule, applied token by token (as plain decoding would)."""
 
     def __init__(self, cfg: DecodeConfig, prompt_len: int, max_len: int, stop_ids: list[int], tokenizer):
@@ -76,25 +114,39 @@ class _Output:
         return any(s in text for s in self.stop_strings)
 
 
+@dataclass
+class Round:
+    """One verified round: the tree, its accepted node path, the emitted tokens (accepted drafts + the
+    bonus token) and the target's features of the path's nodes [len(path), hidden]."""
+
+    tree: Tree
+    path: list[int]
+    emitted: list[int]
+    features: torch.Tensor
+
+
 class SpeculativeDecoder:
     """Decode with a target and a draft head according to a `DecodeConfig` (see the module docstring)."""
 
-    def __init__(self, target, head, cfg: DecodeConfig):
+    def __init__(self, target: TargetModel, head: DraftModel | None, cfg: DecodeConfig):
+        if cfg.method not in ("ar", "chain", "eagle1", "eagle2"):
+            raise ValueError(f"SpeculativeDecoder runs ar, chain, eagle1 and eagle2, not {cfg.method!r}")
         if cfg.speculative and head is None:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self.plan = None
+        self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
+        self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
         if cfg.method in ("chain", "eagle1"):
-            self.shape = shape_from_paths(cfg.static_paths())
-            self.plan = plan_static(self.shape, self.device)
-            self.tree_nodes, self.tree_inputs = self.shape.size, self.shape.size
+            paths = chain_paths(cfg.chain_length) if cfg.method == "chain" else cfg.tree_paths
+            self.shape = shape_from_paths(paths)
+            self._plans = {self.shape.max_depth: plan_static(self.shape, self.device)}
+            self.tree_nodes = self.tree_inputs = self.shape.size
+            self._expand = self._expand_static
         elif cfg.method == "eagle2":
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
-        else:
-            self.tree_nodes, self.tree_inputs = 1, 0
-        self._plans: dict[int, object] = {}
+            self._expand = self._expand_dynamic
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
 
@@ -109,25 +161,92 @@ class SpeculativeDecoder:
         if not 0 < prompt.numel() < max_len:
             raise ValueError(f"prompt of {prompt.numel()} tokens: must be 1..{max_len - 1} (context limit)")
         stats = GenerationStats(prompt_tokens=prompt.numel())
-        out = _Output(self.cfg, prompt.numel(), max_len, self.target.stop_token_ids, self.target.tokenizer)
+        out = StopRules(self.cfg, prompt.numel(), max_len, self.target.stop_token_ids, self.target.tokenizer)
         start = time.perf_counter()
         with torch.inference_mode():  # cheaper tensor ops than no_grad; nothing here needs autograd
-            if self.cfg.method == "hf":
-                self._generate_hf(prompt, out)
-            else:
-                self._run(prompt, out, stats)
+            self._run(prompt, out, stats)
         stats.time_total = time.perf_counter() - start
         stats.new_tokens = len(out.tokens)
         return GenerationResult(tokens=out.tokens, stop_reason=out.reason or "max_new_tokens", stats=stats)
 
+    def _run(self, prompt: torch.Tensor, out: StopRules, stats: GenerationStats) -> None:
+        """Prefill, then speculative rounds until a stop rule fires (plain decoding for `ar`, and for the
+        last tokens when no draft fits before the context limit)."""
+        self.stats = stats
+        # room for the prompt, the generated tokens and one tree; allocated once per generation
+        self.capacity = prompt.numel() + out.limit + self.tree_nodes
+        self.cache = self.target.new_cache(self.capacity)
+        # mask rows for one verification forward; a round writes its tree mask into [:q, L:L + q] and restores it
+        self.mask = torch.ones(self.tree_nodes, self.capacity, dtype=torch.bool, device=self.device)
+        t0 = time.perf_counter()
+        root, features = self._prefill(prompt)
+        if out.extend([root]):
+            stats.time_prefill = time.perf_counter() - t0
+            return
+        if self._expand is None:  # ar
+            stats.time_prefill = time.perf_counter() - t0
+            self._run_ar(root, out)
+            return
+        drafter = self._new_drafter()
+        root_logp = drafter.catch_up(torch.cat([prompt[1:], prompt.new_tensor([root])]), features)
+        stats.time_prefill = time.perf_counter() - t0
+        watch = Stopwatch(stats, self._sync)
+        rounds: list[Round] = []
+        try:
+            while (done := self._speculate(root, root_logp, drafter, watch)) is not None:
+                rounds.append(done)
+                if out.extend(done.emitted):
+                    return
+                root = done.emitted[-1]  # the bonus token: the next round's root
+                with watch("time_draft"):
+                    root_logp = drafter.catch_up(
+                        torch.tensor(done.emitted, device=self.device), done.features
+                    )
+            self._run_ar(root, out)  # no room left for a draft token: finish plainly
+        finally:
+            record_rounds(rounds, stats)
+
+    def _speculate(
+        self, root: int, root_logp: torch.Tensor, drafter: Drafter, watch: Stopwatch
+    ) -> Round | None:
+        """One speculative round: draft a tree below `root` (no deeper than the context allows), verify
+        every node with one target forward, keep the accepted path. None when no draft token fits."""
+        room = self.max_len - 1 - self.cache.seq_len  # draft positions left before the context limit
+        if room < 1:
+            return None
+        with watch("time_draft"):
+            tree = self._expand(root, root_logp, drafter, room)
+        with watch("time_verify"):
+            logits, features = self._verify_forward(tree)
+            path, bonus = self._accept(tree, logits)
+            path_features = self._keep_path(path, features)
+        tokens = tree.token_list
+        return Round(tree, path, [tokens[i] for i in path[1:]] + [bonus], path_features)
+
+    # ---- the method, chosen once ---------------------------------------------------------------------
+
+    def _expand_static(self, root: int, root_logp: torch.Tensor, drafter: Drafter, room: int) -> Tree:
+        depth = min(self.shape.max_depth, room)
+        if depth not in self._plans:  # near the context limit: the tree cut to the room left
+            self._plans[depth] = plan_static(self.shape.truncated(depth), self.device)
+        sample = self._draft_probs if self.sampling and self.cfg.sample_children else None
+        return expand_static(self._plans[depth], root, root_logp, drafter, sample, self.generator)
+
+    def _expand_dynamic(self, root: int, root_logp: torch.Tensor, drafter: Drafter, room: int) -> Tree:
+        depth = min(self.cfg.depth, room - 1)  # the tree is depth + 1 deep
+        return expand_dynamic(root, root_logp, drafter, depth, self.cfg.top_k, self.cfg.total_tokens)
+
+    def _draft_probs(self, log_probs: torch.Tensor) -> torch.Tensor:
+        return process_logits(log_probs, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
+
     # ---- target side ---------------------------------------------------------------------------------
 
-    def _target_forward(self, tokens, positions, mask, stats: GenerationStats):
+    def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         t0 = time.perf_counter()
         logits, hidden = self.target.decode(tokens.unsqueeze(0), positions.unsqueeze(0), mask, self.cache)
         if self._sync is not None:
             self._sync()
-        stats.time_target_forward += time.perf_counter() - t0
+        self.stats.time_target_forward += time.perf_counter() - t0
         return logits[0], hidden[0]  # [q, vocab], [q, hidden]
 
     def _choose(self, logits: torch.Tensor) -> int:
@@ -137,167 +256,87 @@ class SpeculativeDecoder:
         probs = process_logits(logits, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
-    def _prefill(self, prompt: torch.Tensor, stats: GenerationStats):
+    def _prefill(self, prompt: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Target forward over the prompt; returns (first generated token, features [n, hidden])."""
         n = prompt.numel()
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        logits, hidden = self._target_forward(
-            prompt, torch.arange(n, device=self.device), causal[None, None], stats
-        )
+        logits, hidden = self._target_forward(prompt, torch.arange(n, device=self.device), causal[None, None])
         self.cache.advance(n)
         return self._choose(logits[-1]), hidden
 
-    def _run(self, prompt: torch.Tensor, out: _Output, stats: GenerationStats) -> None:
-        # room for the prompt, the generated tokens and one tree; allocated once per generation
-        self.capacity = prompt.numel() + out.limit + self.tree_nodes
-        self.cache = self.target.new_cache(self.capacity)
-        # mask rows for one verification forward; a round writes its tree mask into [:q, L:L + q] and restores it
-        self.mask = torch.ones(self.tree_nodes, self.capacity, dtype=torch.bool, device=self.device)
-        t0 = time.perf_counter()
-        root, features = self._prefill(prompt, stats)
-        if out.extend([root]):
-            stats.time_prefill = time.perf_counter() - t0
-            return
-        if self.cfg.method == "ar":
-            stats.time_prefill = time.perf_counter() - t0
-            self._run_ar(root, out, stats)
-            return
-        drafter = self._new_drafter(stats)
-        pending_tokens = torch.cat([prompt[1:], torch.tensor([root], device=self.device)])
-        root_logp = drafter.catch_up(pending_tokens, features)
-        stats.time_prefill = time.perf_counter() - t0
-        watch = Stopwatch(stats, self._sync)
-        # per round: node depths, node confidences, accepted path (statistics are gathered once, at the end;
-        # not the trees: their draft distributions can be large)
-        rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
-        try:
-            while True:
-                with watch("time_draft"):
-                    tree = self._draft(root, root_logp, drafter)
-                if tree is None:  # no room left for a draft token: finish plainly
-                    self._run_ar(root, out, stats)
-                    return
-                with watch("time_verify"):
-                    path, emitted, hidden = self._verify(tree, stats)
-                rounds.append((tree.depth, tree.confidence, path))
-                if out.extend(emitted):
-                    return
-                root = emitted[-1]  # the bonus token
-                with watch("time_draft"):
-                    root_logp = drafter.catch_up(torch.tensor(emitted, device=self.device), hidden)
-        finally:
-            _record_rounds(rounds, stats)
-
-    def _new_drafter(self, stats: GenerationStats) -> Drafter:
-        """The decoder's drafter, reset for a generation with the current capacity (built on first use:
-        the lean forward fuses the head's weights once, so later changes to the head are not seen)."""
-        if self._drafter is None:
-            self._drafter = Drafter(self.head, self.capacity, self.tree_inputs, stats, self.cfg.lean_draft)
-        else:
-            self._drafter.reset(self.capacity, stats)
-        return self._drafter
-
-    def _run_ar(self, token: int, out: _Output, stats: GenerationStats) -> None:
+    def _run_ar(self, token: int, out: StopRules) -> None:
         """Plain decoding from `token` (not yet in the cache) with the same cache code."""
         while True:
             length = self.cache.seq_len
             ids = torch.tensor([token], device=self.device)
             logits, _ = self._target_forward(
-                ids, ids.new_tensor([length]), self.mask[None, None, :1, : length + 1], stats
+                ids, ids.new_tensor([length]), self.mask[None, None, :1, : length + 1]
             )
             self.cache.advance(1)
             token = self._choose(logits[0])
             if out.extend([token]):
                 return
 
-    # ---- one speculative round ---------------------------------------------------------------------
-
-    def _draft(self, root: int, root_logp: torch.Tensor, drafter: Drafter) -> Tree | None:
-        """Draft this round's tree, no deeper than the context limit allows."""
-        room = self.max_len - 1 - self.cache.seq_len  # deepest node position must be < max_len
-        if room < 1:
-            return None
-        cfg = self.cfg
-        if cfg.method == "eagle2":
-            depth = min(cfg.depth, room - 1)  # the tree is depth + 1 deep
-            return expand_dynamic(root, root_logp, drafter, depth, cfg.top_k, cfg.total_tokens)
-        plan = self.plan if self.shape.max_depth <= room else self._truncated_plan(room)
-        sample = self._draft_probs if self.sampling and cfg.sample_children else None
-        return expand_static(plan, root, root_logp, drafter, sample, self.generator)
-
-    def _draft_probs(self, log_probs: torch.Tensor) -> torch.Tensor:
-        return process_logits(log_probs, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
-
-    def _truncated_plan(self, max_depth: int):
-        if max_depth not in self._plans:
-            self._plans[max_depth] = plan_static(self.shape.truncated(max_depth), self.device)
-        return self._plans[max_depth]
-
-    def _verify(self, tree: Tree, stats: GenerationStats) -> tuple[list[int], list[int], torch.Tensor]:
-        """One target forward over the tree, acceptance, and cache compaction to the accepted path.
-        Returns (path node ids, emitted tokens: the accepted draft tokens and the bonus token, target
-        features of the path's nodes [len(path), hidden])."""
+    def _verify_forward(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over every tree node (each attends to the prefix and its ancestors, at
+        position prefix length + depth). Returns (logits [n, vocab], features [n, hidden])."""
         n, length = tree.size, self.cache.seq_len
         region = self.mask[:n, length : length + n]
         region.copy_(tree.attention_mask)
-        positions = tree.depth + length
-        logits, hidden = self._target_forward(
-            tree.tokens, positions, self.mask[None, None, :n, : length + n], stats
+        logits, features = self._target_forward(
+            tree.tokens, tree.depth + length, self.mask[None, None, :n, : length + n]
         )
         region.fill_(True)
-        if self.sampling:
-            probs = process_logits(logits, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
-            path, bonus = accept_sampling(tree, probs, self.generator)
-        else:
-            path, bonus = accept_greedy(tree, logits)
-        tokens = tree.token_list
-        emitted = [tokens[i] for i in path[1:]] + [bonus]
+        return logits, features
+
+    def _accept(self, tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
+        """The accepted node path (root first) and the bonus token: greedy or lossless sampling."""
+        if not self.sampling:
+            return accept_greedy(tree, logits)
+        probs = process_logits(logits, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
+        return accept_sampling(tree, probs, self.generator)
+
+    def _keep_path(self, path: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Commit the path's cache entries (moved next to the prefix unless already there); returns the
+        path's features [len(path), hidden]."""
         if path[-1] == len(path) - 1:  # the path is the first nodes (e.g. a chain): already in place
             self.cache.advance(len(path))
-            return path, emitted, hidden[: len(path)]
-        keep = torch.tensor(path, device=self.device)
-        self.cache.compact(length, keep)
-        return path, emitted, hidden.index_select(0, keep)
+            return features[: len(path)]
+        kept = torch.tensor(path, device=self.device)
+        self.cache.compact(self.cache.seq_len, kept)
+        return features.index_select(0, kept)
 
-    # ---- Hugging Face generate -----------------------------------------------------------------------
-
-    def _generate_hf(self, prompt: torch.Tensor, out: _Output) -> None:
-        cfg, model = self.cfg, self.target.model
-        kwargs = dict(
-            do_sample=self.sampling, max_new_tokens=out.limit, eos_token_id=self.target.stop_token_ids
-        )
-        if self.sampling:
-            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k_sampling or None)
+    def _new_drafter(self) -> Drafter:
+        """The decoder's drafter, reset for a generation with the current capacity (built on first use:
+        the lean forward fuses the head's weights once, so later changes to the head are not seen)."""
+        if self._drafter is None:
+            self._drafter = Drafter(
+                self.head, self.capacity, self.tree_inputs, self.stats, self.cfg.lean_draft
+            )
         else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        pad = self.target.tokenizer.pad_token_id
-        ids = model.generate(
-            prompt.unsqueeze(0),
-            attention_mask=torch.ones_like(prompt).unsqueeze(0),
-            pad_token_id=pad if pad is not None else self.target.stop_token_ids[0],
-            **kwargs,
-        )
-        out.extend(ids[0, prompt.numel() :].tolist())
+            self._drafter.reset(self.capacity, self.stats)
+        return self._drafter
 
 
-def _record_rounds(
-    rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]], stats: GenerationStats
-) -> None:
-    """Per-round and per-node statistics of a generation's rounds (node depths [n], node confidences [n]
-    or None, accepted path): the tensors are read once for the whole generation, not once per round."""
+def record_rounds(rounds: list[Round], stats: GenerationStats) -> None:
+    """Per-round and per-node statistics of a generation's rounds, read to Python once per generation
+    (not per round). Per draft node (roots excluded): depth, draft confidence given its parent, whether
+    it was accepted, and whether its parent was (so the node was really tested: calibration)."""
     if not rounds:
         return
-    depth = torch.cat([d[1:] for d, _, _ in rounds]).tolist()  # the draft nodes (roots dropped)
+    depth = torch.cat([r.tree.depth[1:] for r in rounds]).tolist()
+    parents = torch.cat([r.tree.parents[1:] for r in rounds]).tolist()
     first = 0
-    for d, _, path in rounds:
-        n = d.shape[0] - 1
-        accepted = set(path[1:])
-        stats.accepted_per_round.append(len(path) - 1)
+    for r in rounds:
+        n = r.tree.size - 1
+        on_path = set(r.path)  # the root (node 0) is always on it
+        stats.accepted_per_round.append(len(r.path) - 1)
         stats.tree_depth_per_round.append(max(depth[first : first + n], default=0))
         stats.tree_size_per_round.append(n + 1)
-        stats.node_accepted.extend(i in accepted for i in range(1, n + 1))
+        stats.node_accepted.extend(i in on_path for i in range(1, n + 1))
+        stats.node_parent_accepted.extend(p in on_path for p in parents[first : first + n])
         first += n
     stats.rounds += len(rounds)
     stats.node_depth.extend(depth)
-    if all(conf is not None for _, conf, _ in rounds):
-        stats.node_confidence.extend(torch.cat([c[1:] for _, c, _ in rounds]).tolist())
+    if all(r.tree.confidence is not None for r in rounds):
+        stats.node_confidence.extend(torch.cat([r.tree.confidence[1:] for r in rounds]).tolist())

@@ -17,7 +17,7 @@ import torch
 
 from eagle_train.decoding import lean_draft
 from eagle_train.decoding.stats import GenerationStats
-from eagle_train.kv_cache import StaticKVCache
+from eagle_train.kv_cache import StaticKVCache, attention_shape
 
 
 class Drafter:
@@ -29,9 +29,8 @@ class Drafter:
         param = next(head.parameters())
         self.head, self.max_tree_inputs = head, max_tree_inputs
         self.device, self.dtype = param.device, param.dtype
-        heads = int(config.num_attention_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        shape = attention_shape(config)
+        self.head_dim, self.kv_heads = shape.head_dim, shape.kv_heads
         # Row i: the output of tree input i (the root's draft state is `self.root`, set by `catch_up`).
         self.hidden = torch.zeros(
             max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device

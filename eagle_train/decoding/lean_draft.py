@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eagle_train.kv_cache import attention_shape
+
 _RMS_NORM = hasattr(F, "rms_norm")
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -90,8 +92,8 @@ class LeanDraft:
     @torch.no_grad()
     def __init__(self, head, max_positions: int):
         cfg = head.config
-        self.heads, self.kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
+        shape = attention_shape(cfg)
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.eps = float(cfg.rms_norm_eps)
         self.embed, self.fc, self.fc_bias = head.embed_tokens.weight, head.fc.weight, head.fc.bias
         self.lm_head = head.lm_head.weight

@@ -3,7 +3,27 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+
+
+def mean_accept_length(accept_lengths: Iterable[int]) -> float | None:
+    """tau: the mean of tokens per round (accepted draft tokens + 1, the target's bonus token included);
+    None for no rounds. The one home of tau: the decoder's statistics, the report and the progress bar."""
+    lengths = list(accept_lengths)
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def acceptance_by_position(accepted: Sequence[int], offered_depth: Sequence[int]) -> list[float | None]:
+    """P(draft token k accepted | tokens 1..k-1 accepted) for k = 1..deepest offered, over the rounds that
+    offered depth k and accepted 1..k-1 (None where no round did). Per round: accepted draft tokens and
+    the deepest draft node offered. The one home of this statistic."""
+    rounds = list(zip(accepted, offered_depth, strict=True))
+    rates: list[float | None] = []
+    for k in range(1, max((d for _, d in rounds), default=0) + 1):
+        reached = [a for a, d in rounds if d >= k and a >= k - 1]
+        rates.append(sum(a >= k for a in reached) / len(reached) if reached else None)
+    return rates
 
 
 @dataclass
@@ -24,6 +44,9 @@ class GenerationStats:
     node_depth: list[int] = field(default_factory=list)
     node_confidence: list[float] = field(default_factory=list)
     node_accepted: list[bool] = field(default_factory=list)
+    node_parent_accepted: list[bool] = field(
+        default_factory=list
+    )  # the node was tested (its parent accepted)
     prompt_tokens: int = 0
     new_tokens: int = 0
     time_prefill: float = 0.0  # seconds in the prompt's target forward (+ the draft's prompt pass)
@@ -36,24 +59,12 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Mean accepted length per round (accepted draft tokens + 1); 1.0 for plain decoding."""
-        if not self.accepted_per_round:
-            return 1.0
-        return sum(a + 1 for a in self.accepted_per_round) / len(self.accepted_per_round)
+        return mean_accept_length(a + 1 for a in self.accepted_per_round) or 1.0
 
     @property
-    def acceptance_by_position(self) -> list[float]:
-        """Rate at which draft position j (1-based: depth j) is accepted given position j-1 was and the
-        tree offered depth j; entry j-1 of the list."""
-        depth = max(self.tree_depth_per_round, default=0)
-        rates = []
-        for j in range(1, depth + 1):
-            reached = [
-                a >= j - 1 and d >= j
-                for a, d in zip(self.accepted_per_round, self.tree_depth_per_round, strict=False)
-            ]
-            hits = sum(1 for a, r in zip(self.accepted_per_round, reached, strict=False) if r and a >= j)
-            rates.append(hits / max(1, sum(reached)))
-        return rates
+    def acceptance_by_position(self) -> list[float | None]:
+        """Conditional acceptance rate of draft positions 1..deepest (see `acceptance_by_position`)."""
+        return acceptance_by_position(self.accepted_per_round, self.tree_depth_per_round)
 
     @property
     def time_other(self) -> float:

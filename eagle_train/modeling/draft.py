@@ -22,6 +22,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from eagle_train.kv_cache import attention_shape
+
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
     "vocab_size",
@@ -57,9 +59,8 @@ def draft_llama_config(target_config: PretrainedConfig, num_layers: int = 1) -> 
     """The draft's Llama config: the target's shapes and RoPE with `num_layers` layers."""
     src = target_config.to_dict()
     kwargs = {k: src[k] for k in _LLAMA_FIELDS if k in src and src[k] is not None}
-    if "head_dim" not in kwargs:
-        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+    shape = attention_shape(kwargs)
+    kwargs.update(head_dim=shape.head_dim, num_key_value_heads=shape.kv_heads)
     config = LlamaConfig(**kwargs, num_hidden_layers=num_layers, tie_word_embeddings=False)
     config.architectures = ["LlamaForCausalLM"]
     return config

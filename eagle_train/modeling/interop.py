@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eagle_train.files import atomic_write_dir
+from eagle_train.kv_cache import attention_shape
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from eagle_train.modeling.draft import DraftHead
 
@@ -283,8 +284,8 @@ def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> LlamaCon
     if "qkv_bias" in raw and not kwargs.get("attention_bias"):
         raise ValueError("config.json: qkv_bias (q/k/v biases without o_proj) is not supported")
     kwargs["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
-    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
-    kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+    shape = attention_shape(kwargs)
+    kwargs.update(head_dim=shape.head_dim, num_key_value_heads=shape.kv_heads)
     return LlamaConfig(**kwargs, tie_word_embeddings=False)
 
 
@@ -313,12 +314,6 @@ def recorded_target(meta: dict[str, Any]) -> tuple[str | None, str | None]:
     if isinstance(target, dict):
         return target.get("name"), target.get("source")
     return target, meta.get("target_source")
-
-
-def read_draft_meta(path: str | Path) -> dict[str, Any]:
-    """The `eagle_train` block of a head's config.json ({} for foreign heads)."""
-    file = Path(path) / CONFIG_NAME
-    return json.loads(file.read_text()).get("eagle_train", {}) if file.is_file() else {}
 
 
 def load_draft(path: str | Path, target, device: torch.device | str | None = None) -> DraftHead:

@@ -32,7 +32,7 @@ from transformers import (
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.target import TargetConfig
-from eagle_train.kv_cache import StaticKVCache
+from eagle_train.kv_cache import StaticKVCache, attention_shape
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,6 +84,11 @@ class Target:
         """The longest sequence the target (and so the head) is used on."""
         limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or 2**31
         return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
+
+    def length_limit(self, requested: int | None = None) -> int:
+        """The longest sequence a stage uses: `requested` (data.max_len) when given, never beyond
+        `max_len`. The one home of this rule (extraction, online training, regeneration)."""
+        return min(requested or self.max_len, self.max_len)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -138,11 +143,14 @@ class Target:
     def new_cache(self, capacity: int) -> StaticKVCache:
         """A preallocated KV cache for one sequence of up to `capacity` tokens."""
         config = self.model.config
-        heads = int(config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        shape = attention_shape(config)
         return StaticKVCache(
-            int(config.num_hidden_layers), kv_heads, head_dim, capacity, dtype=self.dtype, device=self.device
+            int(config.num_hidden_layers),
+            shape.kv_heads,
+            shape.head_dim,
+            capacity,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     @torch.no_grad()

@@ -70,7 +70,7 @@ class TokenizedSource:
 def open_online(cfg: TrainConfig, target: Target, hf_config) -> tuple[TokenizedSource, dict[str, Any]]:
     """Load, clean and tokenize cfg.data exactly as extraction does (same template, same max_len)."""
     messages, _ = load_conversations(cfg.data)
-    max_len = min(cfg.data.max_len or target.max_len, target.max_len)
+    max_len = target.length_limit(cfg.data.max_len)
     dataset, _ = tokenize_conversations(messages, ChatRenderer(target.tokenizer, target.cfg, max_len))
     if len(dataset) == 0:
         raise DataError(f"{cfg.data.path}: no conversation left to train on after tokenization")

@@ -13,13 +13,15 @@ from eagle_train.decoding.tree import shape_from_paths
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml")))
 def test_every_shipped_tree_composes(name):
     cfg = to_schema({"method": "eagle1", "tree": name}, DecodeConfig)
-    assert shape_from_paths(cfg.static_paths()).size == len(load_tree_paths(name)) + 1
+    assert shape_from_paths(cfg.tree_paths).size == len(load_tree_paths(name)) + 1
 
 
-def test_chain_and_explicit_paths():
-    assert DecodeConfig(method="chain", chain_length=3).static_paths() == [[0], [0, 0], [0, 0, 0]]
+def test_the_tree_is_read_when_the_config_is_made():
+    """The decoder never reads YAML: an eagle1 config carries its paths; explicit paths win."""
+    assert DecodeConfig(method="eagle1").tree_paths == load_tree_paths("mc_sim_7b_63")
+    assert DecodeConfig(method="eagle2").tree_paths is None
     cfg = to_schema({"method": "eagle1", "tree_paths": [[0], [1], [0, 0]]}, DecodeConfig)
-    assert cfg.static_paths() == [[0], [1], [0, 0]]
+    assert cfg.tree_paths == [[0], [1], [0, 0]]
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,13 @@ import torch
 from scipy.stats import chisquare
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.decoding.decoder import SpeculativeDecoder, _record_rounds
+from eagle_train.decoding.decoder import Round, SpeculativeDecoder, record_rounds
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_static, plan_static
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.tree import build_tree, shape_from_paths
 from eagle_train.decoding.verify import accept_sampling, process_logits
+from eagle_train.modeling.hf_generate import HFGenerate
 from tests.conftest import DATA
 
 SPEC = {
@@ -34,7 +35,9 @@ def prompts(target, n: int = 2) -> list[list[int]]:
 
 
 def generate(target, head, cfg: DecodeConfig, prompt, **overrides):
-    return SpeculativeDecoder(target, head, replace(cfg, **overrides)).generate(prompt)
+    cfg = replace(cfg, **overrides)
+    decoder = HFGenerate(target, cfg) if cfg.method == "hf" else SpeculativeDecoder(target, head, cfg)
+    return decoder.generate(prompt)
 
 
 @pytest.mark.slow
@@ -105,7 +108,7 @@ def test_each_round_starts_with_the_targets_own_token(target, trained_head, temp
         else:
             assert p[token] > 0
     rates = res.stats.acceptance_by_position
-    assert all(0.0 <= r <= 1.0 for r in rates) and len(res.stats.node_confidence) == len(
+    assert all(r is None or 0.0 <= r <= 1.0 for r in rates) and len(res.stats.node_confidence) == len(
         res.stats.node_accepted
     )
 
@@ -122,7 +125,9 @@ def test_round_statistics_per_node():
         tree.confidence = torch.linspace(0.1, 0.9, tree.size) + i
     paths = [[0, 1, 3], [0], [0, 2, 3]]
     stats = GenerationStats()
-    _record_rounds([(t.depth, t.confidence, p) for t, p in zip(trees, paths, strict=True)], stats)
+    record_rounds(
+        [Round(t, p, [0] * len(p), torch.zeros(len(p), 1)) for t, p in zip(trees, paths, strict=True)], stats
+    )
     assert stats.rounds == 3 and stats.accepted_per_round == [2, 0, 2]
     assert stats.tree_size_per_round == [5, 3, 4] and stats.tree_depth_per_round == [3, 2, 2]
     depth, accepted, confidence = [], [], []
@@ -219,3 +224,19 @@ def test_stop_strings_like_autoregressive(target, trained_head):
     for cfg in SPEC.values():
         result = generate(target, trained_head, cfg, prompt, max_new_tokens=100, stop_strings=["tree"])
         assert result.tokens == ar.tokens and result.stop_reason == "stop_string"
+
+
+@pytest.mark.gpu
+def test_greedy_identity_on_cuda(target_cfg, trained_head):
+    """The decoder's promise on a GPU (skipped without CUDA): every method equals plain decoding."""
+    from eagle_train.modeling.target import load_target
+
+    cuda_target = load_target(target_cfg, "cuda")
+    head = trained_head.to("cuda")
+    try:
+        prompt = prompts(cuda_target, 1)[0]
+        ar = generate(cuda_target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=64)
+        for cfg in SPEC.values():
+            assert generate(cuda_target, head, cfg, prompt, max_new_tokens=64).tokens == ar.tokens
+    finally:
+        trained_head.to("cpu")

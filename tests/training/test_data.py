@@ -1,0 +1,39 @@
+"""Batch plans, the held-out split and collation (eagle_train.training.data)."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_train.training.data import collate, plan_epoch, split_by_id
+
+
+def test_batch_plans_cover_the_split_once_and_respect_the_budget():
+    lengths = [5, 50, 7, 48, 9, 51, 6, 49, 30, 2]
+    indices = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    for bucket in (True, False):
+        plan = plan_epoch(indices, lengths, max_tokens=100, max_batch_size=3, bucket=bucket, seed=1)
+        assert sorted(i for b in plan for i in b) == indices
+        assert all(len(b) <= 3 and (len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 100) for b in plan)
+    assert plan_epoch(indices, lengths, 100, 3, True, 1) == plan_epoch(indices, lengths, 100, 3, True, 1)
+    train, held = split_by_id([f"c{i}" for i in range(10)], lengths, 0.3)
+    assert 9 not in train + held and set(train).isdisjoint(held)  # length 2: no trainable position
+
+
+def test_collate_pads_right_and_masks_padding():
+    samples = [
+        {
+            "input_ids": torch.tensor([1, 2, 3, 4]),
+            "loss_mask": torch.tensor([0, 1, 1, 1]).bool(),
+            "hidden": torch.ones(4, 2),
+        },
+        {
+            "input_ids": torch.tensor([5, 6, 7]),
+            "loss_mask": torch.tensor([0, 1, 1]).bool(),
+            "hidden": torch.ones(3, 2),
+        },
+    ]
+    batch = collate(samples)
+    assert batch["input_ids"].tolist() == [[2, 3, 4], [6, 7, 0]]
+    assert batch["loss_mask"].tolist() == [[True, True, False], [True, False, False]]
+    assert batch["target_ids"].tolist() == [[3, 4, 0], [7, 0, 0]]
+    assert batch["positions"].tolist() == [3, 2] and batch["features"].shape == (2, 3, 2)
