@@ -3,9 +3,10 @@
     python scripts/bench_data.py [--repeats 3]
 
 Prints a table and writes bench_results/data.json: conversations/s and tokens/s (medians over repeats)
-for loading + normalising, and for tokenising with the `plain` and `vicuna_v1.1` fallbacks and with a
-ChatML Hugging Face template (the prefix method renders the template twice more per reply), plus
-`num_proc=2` against 1.
+for loading + normalising, and for tokenising with the `plain` and `vicuna_v1.1` fallbacks and with two
+Hugging Face templates, a minimal ChatML one and the published Llama-3.1-8B-Instruct one
+(tests/data/templates; each conversation is rendered twice to locate its replies), plus `num_proc=2`
+against 1.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ FILES = {
     "alpaca": SHAREGPT / "alpaca_cleaned_1000_as_sharegpt.json",
     "fastchat": SHAREGPT / "fastchat_dummy_conversation.json",
 }
+LLAMA3_1 = REPO_ROOT / "tests" / "data" / "templates" / "llama3_1_8b_instruct.jinja"
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -53,10 +55,20 @@ def renderers() -> dict[str, ChatRenderer]:
     hf_tok = load_tokenizer(cfg)
     hf_tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     hf_tok.chat_template = CHATML
+    llama_tok = load_tokenizer(cfg)
+    llama_tok.add_special_tokens(
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"],
+        }
+    )
+    llama_tok.chat_template = LLAMA3_1.read_text(encoding="utf-8")
     return {
         "plain": ChatRenderer(tok, TargetConfig(chat_template="plain"), 4096),
         "vicuna_v1.1": ChatRenderer(tok, TargetConfig(chat_template="vicuna_v1.1"), 4096),
         "hf_chatml": ChatRenderer(hf_tok, TargetConfig(), 4096),
+        "hf_llama3.1": ChatRenderer(llama_tok, TargetConfig(), 4096),
     }
 
 

@@ -6,24 +6,41 @@ the whole text once with character offsets and mark the tokens that overlap a re
 the whole text (not segment by segment) gives exactly the ids the model sees at inference time.
 
 - Tokenizer with a chat template (and `target.force_template` false): `tokenizer.apply_chat_template`.
-  A reply's span starts where the rendering of the turns before it plus the generation prompt ends,
-  and ends where the rendering up to and including the reply ends (trailing whitespace after the
-  end-of-turn token excluded). If a template is not prefix-stable (it rewrites earlier turns), the
-  reply text is searched for instead and the special token right after it is included.
+  The replies are found by rendering the conversation a second time with markers written into every
+  reply (eagle_train.data.reply_markers), never by searching for their text, so a user turn that quotes a
+  reply, a system prompt that holds it or a reply with header-like text is masked right, and a
+  template that moves text between turns (Mistral puts the system prompt into the last user turn)
+  costs nothing: two renders per conversation, whatever its length.
 - Otherwise the fallback template named by `target.chat_template` (eagle_train.data.templates).
 Slow tokenizers (no offsets) are tokenised segment by segment.
+
+Policy for what is trained, in the drop/repair report like every other data policy:
+- The mask covers each reply's text (without whitespace around it) and the end-of-turn token right
+  after it. Text the template inserts is never trained: headers, Mistral's space before a reply,
+  Qwen3's empty `<think>\n\n</think>\n\n` block before the last reply when it has no reasoning.
+- Replies with reasoning (`<think>...</think>answer`, as DeepSeek-R1 and Qwen3 write them): trained
+  whole, reasoning included, where the template renders them verbatim (Qwen3's last turns, written as
+  Qwen3 writes them: `<think>\nreasoning\n</think>\n\nanswer`). Where it renders the answer but not
+  the reasoning (Qwen3 before the last user turn, DeepSeek-R1 everywhere, or reasoning the template
+  reformats), only the answer is trained and the conversation is counted as fixed
+  `reasoning_not_rendered`: the model never sees that reasoning, so it cannot learn it there.
+- A conversation the template cannot render exactly is dropped and counted: `template_error` (the
+  template raises, e.g. roles that do not alternate), `template_not_exact` (its text depends on a
+  reply's text beyond copying it) or `reply_not_rendered` (a reply missing, repeated or rewritten).
+  The rest of the dataset goes on; only when the template renders no conversation at all does
+  `tokenize_conversations` stop, naming the first one and why.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
 
 from eagle_train.config.target import TargetConfig
+from eagle_train.data.reply_markers import RenderError, locate_replies
 from eagle_train.data.sharegpt import DataError, DropReport
 from eagle_train.data.templates import TEMPLATES, Segment, get_template, render_segments
 
@@ -39,6 +56,14 @@ class Rendered:
     input_ids: list[int]
     loss_mask: list[int]  # 1 exactly on assistant reply tokens (+ their end-of-turn token), 0 elsewhere
     truncated: int = 0  # tokens cut off by max_len
+
+
+@dataclass
+class Layout:
+    """A conversation as text segments flagged True inside replies, and what rendering repaired."""
+
+    segments: list[Segment]
+    repairs: list[str] = field(default_factory=list)  # DropReport fix kinds (module docstring)
 
 
 class ChatRenderer:
@@ -60,7 +85,9 @@ class ChatRenderer:
                 f"target {target_cfg.name!r} ({target_cfg.path}): {why} and target.chat_template is null; "
                 f"set target.chat_template to one of: {', '.join(sorted(TEMPLATES))}"
             )
-        self.special_tokens = sorted(set(tokenizer.all_special_tokens), key=len, reverse=True)
+        # tokens that can end a turn: the special and added special tokens (e.g. <|im_end|>, <|eot_id|>)
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        self.end_tokens = sorted(set(tokenizer.all_special_tokens) | {t.content for t in added if t.special})
 
     def with_system(self, messages: list[dict]) -> list[dict]:
         """Messages with the target's default system prompt first, unless they carry their own."""
@@ -69,13 +96,22 @@ class ChatRenderer:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def segments(self, messages: list[dict], generation_prompt: bool = False) -> list[Segment]:
-        """Text segments flagged True inside assistant replies (system prompt added)."""
+    def layout(self, messages: list[dict], generation_prompt: bool = False) -> Layout:
+        """Text segments flagged True inside assistant replies (system prompt added), and the repairs made;
+        RenderError for a conversation the template cannot render exactly. With `generation_prompt`,
+        the text ends with the next reply's header (`messages` should end in a user turn)."""
         messages = self.with_system(messages)
-        if self.template is None:
-            return self.hf_segments(messages, generation_prompt)
-        bos, eos = self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
-        return render_segments(self.template, messages, bos, eos, generation_prompt)
+        if self.template is not None:
+            bos, eos = self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
+            return Layout(render_segments(self.template, messages, bos, eos, generation_prompt))
+        if generation_prompt:  # a prompt: its ids are all that is needed
+            return Layout([(self.apply(messages, True), False)])
+        located = locate_replies(lambda m: self.apply(m, False), messages, self.end_tokens)
+        return Layout(cut_segments(located.text, located.spans), located.repairs)
+
+    def segments(self, messages: list[dict], generation_prompt: bool = False) -> list[Segment]:
+        """The segments of `layout`."""
+        return self.layout(messages, generation_prompt).segments
 
     def render(self, messages: list[dict]) -> Rendered:
         """Token ids and loss mask of a conversation, truncated to max_len."""
@@ -95,21 +131,6 @@ class ChatRenderer:
         ids, _ = self.tokenize(self.segments(messages, generation_prompt=True))
         return ids
 
-    def hf_segments(self, messages: list[dict], generation_prompt: bool) -> list[Segment]:
-        """Segments from the tokenizer's own template (see the module docstring)."""
-        full = self.apply(messages, generation_prompt)
-        spans: list[tuple[int, int]] = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            cursor = spans[-1][1] if spans else 0
-            before, upto = self.apply(messages[:i], True), self.apply(messages[: i + 1], False)
-            if full.startswith(upto) and upto.startswith(before) and len(before) >= cursor:
-                spans.append((len(before), len(upto.rstrip())))
-            else:
-                spans.append(self.search_span(full, m["content"], cursor))
-        return cut_segments(full, spans)
-
     def apply(self, messages: list[dict], generation_prompt: bool) -> str:
         """The tokenizer's chat template as text."""
         if not messages:
@@ -117,19 +138,6 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
         )
-
-    def search_span(self, full: str, content: str, cursor: int) -> tuple[int, int]:
-        """The span of a reply found by text search after `cursor`, plus the special token that ends it."""
-        for candidate in (content, content.strip()):
-            start = full.find(candidate, cursor) if candidate else -1
-            if start >= 0:
-                end = start + len(candidate)
-                if self.special_tokens:
-                    pattern = r"\s*(?:" + "|".join(map(re.escape, self.special_tokens)) + ")"
-                    match = re.match(pattern, full[end:])
-                    end += match.end() if match else 0
-                return start, end
-        raise ValueError(f"the chat template's text does not contain the assistant reply {content[:60]!r}")
 
     def tokenize(self, segments: list[Segment]) -> tuple[list[int], list[int]]:
         """Token ids and the mask of tokens overlapping a reply segment."""
@@ -199,19 +207,23 @@ def tokenize_conversations(
 ) -> tuple[datasets.Dataset, DropReport]:
     """Render every conversation of a Dataset (`id`, `messages`) with `datasets.map`.
 
-    Output columns: id, input_ids, loss_mask, num_tokens, num_assistant_tokens. Rows that keep no
-    assistant token are dropped and counted (`no_assistant_tokens_after_truncation` when truncation
-    removed them, else `no_assistant_tokens`).
+    Output columns: id, input_ids, loss_mask, num_tokens, num_assistant_tokens. Dropped and counted:
+    conversations the template cannot render exactly (by RenderError reason) and rows that keep no
+    assistant token (`no_assistant_tokens_after_truncation` when truncation removed them, else
+    `no_assistant_tokens`); repairs are counted as fixes. DataError when the template renders none.
     """
 
     def render_rows(batch: dict[str, list]) -> dict[str, list]:
-        segments = []
+        layouts, failures = [], []
         for conversation_id, messages in zip(batch["id"], batch["messages"], strict=True):
             try:
-                segments.append(renderer.segments(messages))
-            except Exception as e:  # a template that rejects a conversation: name it
-                raise DataError(f"conversation {conversation_id!r}: cannot render it: {e}") from e
-        rendered = [renderer.truncate(ids, mask) for ids, mask in renderer.tokenize_many(segments)]
+                layouts.append(renderer.layout(messages))
+                failures.append(("", ""))
+            except RenderError as e:  # counted and skipped; named if no conversation renders
+                layouts.append(Layout([]))
+                failures.append((e.reason, f"conversation {conversation_id!r}: cannot render it: {e}"))
+        tokenized = renderer.tokenize_many([layout.segments for layout in layouts])
+        rendered = [renderer.truncate(ids, mask) for ids, mask in tokenized]
         n_reply = [sum(r.loss_mask) for r in rendered]
         return {
             "id": batch["id"],
@@ -219,17 +231,25 @@ def tokenize_conversations(
             "loss_mask": [r.loss_mask for r in rendered],
             "num_tokens": [len(r.input_ids) for r in rendered],
             "num_assistant_tokens": n_reply,
-            "drop_reason": [drop_reason(n, r.truncated) for n, r in zip(n_reply, rendered, strict=True)],
+            "drop_reason": [
+                failed or drop_reason(n, r.truncated)
+                for (failed, _), n, r in zip(failures, n_reply, rendered, strict=True)
+            ],
+            "drop_detail": [detail for _, detail in failures],
+            "repairs": [",".join(layout.repairs) for layout in layouts],
         }
 
+    text = datasets.Value("string")
     features = datasets.Features(
         {
-            "id": datasets.Value("string"),
+            "id": text,
             "input_ids": datasets.Sequence(datasets.Value("int32")),
             "loss_mask": datasets.Sequence(datasets.Value("int8")),
             "num_tokens": datasets.Value("int32"),
             "num_assistant_tokens": datasets.Value("int32"),
-            "drop_reason": datasets.Value("string"),
+            "drop_reason": text,
+            "drop_detail": text,
+            "repairs": text,
         }
     )
     out = ds.map(
@@ -241,13 +261,25 @@ def tokenize_conversations(
         num_proc=num_proc,
         desc="tokenize",
     )
+    report = tokenize_report(out)
+    if report.total:
+        out = out.filter(lambda reason: reason == "", input_columns="drop_reason")
+    return out.remove_columns(["drop_reason", "drop_detail", "repairs"]), report
+
+
+def tokenize_report(out: datasets.Dataset) -> DropReport:
+    """Drops and repairs of a tokenized Dataset; DataError when no conversation could be rendered."""
     report = DropReport(seen=len(out))
     for reason, n in Counter(out["drop_reason"]).items():
         if reason:
             report.drop(reason, n)
-    if report.total:
-        out = out.filter(lambda reason: reason == "", input_columns="drop_reason")
-    return out.remove_columns("drop_reason"), report
+    for repairs, n in Counter(out["repairs"]).items():
+        for kind in filter(None, repairs.split(",")):
+            report.fix(kind, n)
+    if report.seen and not report.kept and any(out["drop_detail"]):
+        first = next(detail for detail in out["drop_detail"] if detail)
+        raise DataError(f"the chat template renders no conversation ({report.format()}); {first}")
+    return report
 
 
 def drop_reason(num_assistant_tokens: int, truncated: int) -> str:

@@ -11,6 +11,7 @@ from eagle_train.config.target import TargetConfig
 from eagle_train.data.render import ChatRenderer, cut_segments, tokenize_conversations
 from eagle_train.data.sharegpt import DataError
 from eagle_train.modeling.target import load_tokenizer
+from tests.data.conftest import masked_runs
 
 CONV = [
     {"role": "user", "content": "Tell me a story."},
@@ -77,7 +78,7 @@ MISTRAL_JINJA = (
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
     "{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
-# Not prefix-stable: the first line depends on the number of messages, so the span search is used.
+# Not prefix-stable: the first line depends on the number of messages (replies are found all the same).
 COUNTING_JINJA = "{{ 'Turns: ' + (messages | length) | string + '\\n' }}" + CHATML_JINJA
 
 
@@ -93,18 +94,6 @@ def with_template(tokenizer, jinja: str):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = jinja
     return tok
-
-
-def masked_runs(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
-    """Decoded text of each contiguous run of masked tokens."""
-    runs, current = [], []
-    for token, m in zip(ids + [None], mask + [0], strict=True):
-        if m:
-            current.append(token)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return runs
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_TEXT))
