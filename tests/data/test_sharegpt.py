@@ -16,8 +16,9 @@ from eagle_train.data.sharegpt import (
     load_sharegpt,
     split_by_id,
 )
+from tests.conftest import DATA
 
-SHAREGPT = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "sharegpt"
+SHAREGPT = DATA / "sharegpt"
 
 
 def write_json(path: Path, records: list) -> Path:
