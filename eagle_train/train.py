@@ -360,8 +360,11 @@ def window_metrics(sums: list[float], cfg: TrainConfig, seconds: float) -> dict[
     """Averages of the summed train terms [smooth_l1, ce, correct, tokens, positions] over a log window."""
     tokens = max(sums[3], 1.0)
     terms = combine_terms(
-        {"smooth_l1": torch.tensor(sums[0]), "ce": torch.tensor(sums[1])},
-        tokens,
+        {
+            "smooth_l1": torch.tensor(sums[0], dtype=torch.float64),
+            "ce": torch.tensor(sums[1], dtype=torch.float64),
+        },
+        tokens,  # float64 sums: the logged averages keep the precision of the reduced sums
         cfg.loss.feature_weight,
         cfg.loss.token_weight,
     )
