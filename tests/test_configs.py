@@ -9,22 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle_train.config.base import CONF_DIR, to_schema
-from eagle_train.config.evaluate import EvaluateConfig
-from eagle_train.config.export import ExportConfig
-from eagle_train.config.extract import ExtractConfig
-from eagle_train.config.pipeline import PipelineConfig
-from eagle_train.config.regenerate import RegenerateConfig
-from eagle_train.config.train import TrainConfig
-from eagle_train.entry import compose
+from eagle_train.entry import SCHEMAS, compose
 
-SCHEMAS = {
-    "extract": ExtractConfig,
-    "train": TrainConfig,
-    "evaluate": EvaluateConfig,
-    "regenerate": RegenerateConfig,
-    "export": ExportConfig,
-    "pipeline": PipelineConfig,
-}
 # Values a user must give on the command line (no sensible default).
 REQUIRED = {
     "export": ["ckpt=runs/x/final", "out=exports/x"],

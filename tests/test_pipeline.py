@@ -10,13 +10,9 @@ import sys
 import pytest
 
 from eagle_train.config.base import to_schema
-from eagle_train.config.evaluate import EvaluateConfig
-from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.pipeline import PipelineConfig, StageSpec
-from eagle_train.config.regenerate import RegenerateConfig
-from eagle_train.config.train import TrainConfig
 from eagle_train.data.tinystories import parse_args as tinystories_args
-from eagle_train.entry import compose
+from eagle_train.entry import SCHEMAS, compose
 from eagle_train.pipeline import run
 
 # (experiment, extra overrides, expected name): the GPU preset with every target preset
@@ -30,12 +26,6 @@ HYDRA_STAGES = {
     "eagle_train.extract": "extract",
     "eagle_train.train": "train",
     "eagle_train.evaluate": "evaluate",
-}
-SCHEMAS = {
-    "regenerate": RegenerateConfig,
-    "extract": ExtractConfig,
-    "train": TrainConfig,
-    "evaluate": EvaluateConfig,
 }
 
 
