@@ -25,12 +25,21 @@ CONFIG_NAME = "config.json"
 
 
 def atomic_write_dir(final: Path, write) -> None:
-    """Call `write(tmp_dir)` then move tmp_dir to `final` (replacing it), so `final` is never partial."""
+    """Call `write(tmp_dir)` then move tmp_dir to `final` (replacing it), so `final` is never partial.
+
+    Everything in it gets the usual modes (0755 directories, 0644 files under umask 022): mkdtemp makes
+    0700 and safetensors writes 0600, modes that survive the rename and keep a server running as another
+    user out."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [tmp, *tmp.rglob("*")]:
+            if not path.is_symlink():
+                os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
         if final.exists():
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
