@@ -49,6 +49,45 @@ def acceptance_by_position(records: list[dict]) -> list[float | None]:
     return rates
 
 
+def add_spec_counts(total: dict[str, Any], more: dict[str, Any], sign: int = 1) -> dict[str, Any]:
+    """total + sign * more, field by field (accepted_per_pos padded to the longer list)."""
+    out = {k: total[k] + sign * more[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    a, b = list(total["accepted_per_pos"]), list(more["accepted_per_pos"])
+    width = max(len(a), len(b))
+    a, b = a + [0] * (width - len(a)), b + [0] * (width - len(b))
+    out["accepted_per_pos"] = [x + sign * y for x, y in zip(a, b, strict=True)]
+    return out
+
+
+def spec_counts(records: Iterable[dict]) -> dict[str, Any]:
+    """Speculative-decoding counters as vLLM keeps them: drafts (rounds that drafted), draft tokens,
+    accepted draft tokens, and per position k the drafts whose token k was accepted (not conditional).
+    A record carries vLLM's own counters (`spec`) or the built-in decoder's rounds (accept_lengths, draft_depths)."""
+    total: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    for r in records:
+        if "spec" in r:
+            total = add_spec_counts(total, r["spec"])
+            continue
+        for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True):
+            if depth == 0:  # a plain decoding step, no draft
+                continue
+            per_pos = [1] * (length - 1) + [0] * (depth - length + 1)
+            total = add_spec_counts(total, {"num_drafts": 1, "num_draft_tokens": depth,
+                                            "num_accepted_tokens": length - 1, "accepted_per_pos": per_pos})
+    return total
+
+
+def counts_tau(counts: dict[str, Any]) -> float | None:
+    """tau from counters: 1 + accepted draft tokens per draft (= mean of accepted + 1 over rounds)."""
+    return 1 + counts["num_accepted_tokens"] / counts["num_drafts"] if counts["num_drafts"] else None
+
+
+def counts_acceptance(counts: dict[str, Any]) -> list[float | None]:
+    """Conditional acceptance by position from counters (as `acceptance_by_position` for full chains)."""
+    reached = [counts["num_drafts"], *counts["accepted_per_pos"][:-1]]
+    return [hit / n if n else None for hit, n in zip(counts["accepted_per_pos"], reached, strict=True)]
+
+
 def calibration(records: list[dict], bins: int = CALIBRATION_BINS) -> list[dict[str, float]]:
     """Draft confidence binned into `bins` equal bins: mean confidence, acceptance rate and count per bin."""
     sums = [[0.0, 0.0, 0] for _ in range(bins)]  # [confidence sum, accepted count, n]
@@ -140,13 +179,16 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], plots: list[str]) -> str:
-    """report.md: run settings, the table, the sanity lines, the plots."""
+def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], plots: list[str],
+                    engines_markdown: str | None = None) -> str:
+    """report.md: run settings, the table, the engines side by side (if any), the sanity lines, the plots."""
     parts = ["# Evaluation report", ""]
     parts += [f"- {k}: {v}" for k, v in meta.items()]
     parts += ["", markdown_table(rows), ""]
     parts.append("tau = tokens per target forward (accepted drafts + 1); acc@k = P(draft token k accepted | 1..k-1 "
                  "accepted); speedup = tokens/s over ar's on the same benchmark, timed in this run.")
+    if engines_markdown:
+        parts += ["", engines_markdown]
     parts += ["", "## Sanity", ""]
     parts += [f"- WARNING: {n}" for n in notes] or ["- all checks passed"]
     if plots:
@@ -162,20 +204,25 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_report(
-    records: list[dict], out_dir: str | Path, meta: dict[str, Any], min_rounds: int = 20, plots: bool = True
+    records: list[dict], out_dir: str | Path, meta: dict[str, Any], min_rounds: int = 20, plots: bool = True,
+    engines: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report."""
+    """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report.
+    `engines`: the side-by-side engine section (`eagle_train.report_engines.engine_section`), if any."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     greedy = float(meta.get("temperature", 0.0)) == 0.0
-    notes = sanity_checks(rows, min_rounds, greedy)
-    plot_files = write_plots(records, rows, out) if plots else []
+    notes = sanity_checks(rows, min_rounds, greedy) + (engines["sanity"] if engines else [])
+    plot_files = (write_plots(records, rows, out) if plots else []) + (engines["plots"] if engines else [])
     calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
     report = {"meta": meta, "results": rows, "sanity": notes, "calibration": calib,
               "plots": [Path(p).name for p in plot_files]}
+    if engines:
+        report["engines"] = engines["rows"]
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(out / "report.md", render_markdown(rows, notes, meta, plot_files))
+    write_text_atomic(out / "report.md", render_markdown(rows, notes, meta, plot_files,
+                                                         engines["markdown"] if engines else None))
     return report
 
 
