@@ -3,7 +3,9 @@
 The held-out conversations' prompts (their tokens before the first assistant token) are decoded greedily
 by vLLM with the head as it is now (exported in vLLM's layout, re-expressed to the engine target's
 head_dim when that differs), drafting chains of `eval_depth` tokens: vLLM's own counters give the
-engine's tau and acceptance by position, logged next to the simulated `eval/accept_len`.
+engine's tau and acceptance by position, logged next to the simulated `eval/accept_len`, with the
+built-in chain decoder's tau on the same prompts (`engine/builtin_tau`) and whether the counters agree
+exactly (`engine/agree`: 1 or 0).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle_train.config.base import resolve_path
+from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.engines.vllm_engine import run_vllm, speculative_config
 from eagle_train.modeling.checkpoint import CONFIG_NAME
@@ -22,6 +25,7 @@ from eagle_train.modeling.interop import export_head
 from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import Target
 from eagle_train.report import counts_acceptance, counts_tau, spec_counts
+from eagle_train.spec.decoder import SpeculativeDecoder
 
 
 def held_out_prompts(source, indices: list[int], count: int) -> list[list[int]]:
@@ -59,8 +63,22 @@ def engine_metrics(head: DraftHead, target: Target, prompts: list[list[int]], cf
                       max_model_len=target.max_len, python=cfg.eval_engine_python, warmup=0,
                       dtype=target.cfg.dtype)
     counts = spec_counts(result.outputs("chain"))
-    values = {"engine/vllm_tau": counts_tau(counts) or 1.0, "engine/vllm_drafts": float(counts["num_drafts"]),
+    builtin = builtin_chain_counts(head, target, prompts, cfg)
+    values = {"engine/vllm_tau": counts_tau(counts) or 1.0, "engine/builtin_tau": counts_tau(builtin) or 1.0,
+              "engine/agree": float(counts == builtin), "engine/vllm_drafts": float(counts["num_drafts"]),
               "engine/vllm_load_warnings": float(len(result.runs["chain"].load_warnings))}
     for k, rate in enumerate(counts_acceptance(counts), start=1):
         values[f"engine/vllm_acc{k}"] = rate if rate is not None else float("nan")
     return values
+
+
+def builtin_chain_counts(head: DraftHead, target: Target, prompts: list[list[int]], cfg: TrainConfig) -> dict:
+    """The built-in chain decoder's counters on the same prompts (what vLLM's must equal)."""
+    decode = DecodeConfig(method="chain", chain_length=cfg.eval_depth, max_new_tokens=cfg.eval_engine_max_new_tokens)
+    was_training = head.training
+    head.eval()
+    decoder = SpeculativeDecoder(target, head, decode)
+    rounds = [decoder.generate(p).stats for p in prompts]
+    head.train(was_training)
+    return spec_counts([{"accept_lengths": [a + 1 for a in r.accepted_per_round],
+                         "draft_depths": r.tree_depth_per_round} for r in rounds])

