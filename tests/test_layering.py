@@ -81,3 +81,12 @@ def test_pure_cores_import_only_torch_and_stdlib():
                 assert top in sys.stdlib_module_names or top == "__future__", (
                     f"pure core eagle_train.{module} imports {imp}"
                 )
+
+
+def test_the_vllm_worker_imports_only_the_standard_library_and_vllm():
+    """It runs in vLLM's own environment, where neither this package nor its torch is installed."""
+    import sys
+
+    imports = _modules()["engines.vllm_worker"]
+    bad = sorted(i for i in imports if _top(i) not in sys.stdlib_module_names | {"vllm", "__future__"})
+    assert not bad, f"eagle_train.engines.vllm_worker imports {bad}"
