@@ -127,7 +127,8 @@ def plot_engine_acceptance(rows: list[dict], out: Path) -> Path:
             acc = row["acceptance_by_position"]
             ax.plot(range(1, len(acc) + 1), [float("nan") if a is None else a for a in acc], marker="o",
                     linestyle="-" if row["engine"] == BUILTIN else "--", label=row["engine"])
-        ax.set(title=bench, xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05))
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set(title=bench, xlabel="draft position", ylabel="acceptance rate (given the earlier ones)", ylim=(0, 1.05))
         ax.legend(fontsize=8)
     path, tmp = out / "acceptance_by_position_engines.png", out / ".acceptance_by_position_engines.tmp.png"
     fig.savefig(tmp, dpi=100, bbox_inches="tight")

