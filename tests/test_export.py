@@ -78,6 +78,13 @@ def test_head_dim_re_expression(ckpt, tmp_path):
     assert load_file(str(out / "model.safetensors"))["layers.0.self_attn.q_proj.weight"].shape == (256, 64)
 
 
+def test_the_reference_layout_cannot_hold_a_re_expressed_head(ckpt, tmp_path):
+    """format=eagle is the reference's own loader (head_dim = hidden / heads): not a layout for vLLM's
+    head_dim-32 stories260K; vLLM gets format=vllm (tests/engines)."""
+    with pytest.raises(ValueError, match="head_dim \\* num_attention_heads == hidden_size"):
+        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={tmp_path / 'o'}", "head_dim=32"))
+
+
 def test_overrides_and_dtype(ckpt, tmp_path):
     out = run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'o'}", "dtype=bfloat16",
                          "target_id=my-llama", "max_len=2048"))

@@ -116,7 +116,8 @@ def run_vllm(
     or None), one prompt at a time. Writes request.json, vllm.log and result.json into `work_dir`."""
     work = Path(work_dir).resolve()  # the worker runs in it: every path it gets is absolute
     work.mkdir(parents=True, exist_ok=True)
-    request = {"model": str(Path(model).resolve()) if Path(model).exists() else str(model), "dtype": dtype, "max_model_len": int(max_model_len), "seed": seed,
+    model = str(Path(model).resolve()) if Path(model).exists() else str(model)  # else a hub id
+    request = {"model": model, "dtype": dtype, "max_model_len": int(max_model_len), "seed": seed,
                "max_tokens": int(max_tokens), "stop_token_ids": [int(i) for i in stop_token_ids],
                "prompts": [[int(i) for i in p] for p in prompts], "warmup": warmup,
                "runs": [{"name": name, "speculative_config": spec} for name, spec in runs.items()]}
