@@ -76,7 +76,9 @@ def calibration_pairs(stats: GenerationStats, method: str) -> list[list[float]]:
         end = start + size - 1  # nodes of this round, root excluded
         for i in range(start, min(end, len(stats.node_confidence))):
             depth = stats.node_depth[i]
-            tested = parent_ok[i] if parent_ok else (depth <= accepted + 1 if method == "chain" else depth == 1)
+            tested = (
+                parent_ok[i] if parent_ok else (depth <= accepted + 1 if method == "chain" else depth == 1)
+            )
             if tested:
                 pairs.append([stats.node_confidence[i], int(stats.node_accepted[i])])
         start = end
@@ -120,9 +122,15 @@ def answer_question(
             wall = time.perf_counter() - start
             answer = tokenizer.decode(result.tokens, skip_special_tokens=True)
             history[method].append({"role": "assistant", "content": answer})
-            record = {"question_id": question.question_id, "category": question.category, "turn": turn,
-                      "prompt_tokens": len(ids), "prompt_cut": cut, **answer_record(result, method, wall),
-                      "prompt_ids": list(ids)}
+            record = {
+                "question_id": question.question_id,
+                "category": question.category,
+                "turn": turn,
+                "prompt_tokens": len(ids),
+                "prompt_cut": cut,
+                **answer_record(result, method, wall),
+                "prompt_ids": list(ids),
+            }
             record["text"] = answer
             records.append(record)
     return mark_identity(records, greedy=next(iter(decoders.values())).cfg.temperature == 0)
@@ -170,13 +178,17 @@ def write_answers(records: list[dict], path: Path) -> None:
 def export_for_vllm(head, target: Target, out: Path) -> Path:
     """The head in vLLM's layout, re-expressed with the target's head_dim when the target was
     (eagle_train.modeling.reexpress: vLLM's CPU attention needs 32+)."""
-    target_head_dim = int(getattr(target.config, "head_dim", None) or target.hidden_size // target.config.num_attention_heads)
+    target_head_dim = int(
+        getattr(target.config, "head_dim", None) or target.hidden_size // target.config.num_attention_heads
+    )
     if head.config.head_dim != target_head_dim:
         head = widen_head(head, target_head_dim)
     return export_head(head, "vllm", out, meta={"target": target.cfg.name, "target_source": target.source})
 
 
-def run_engine(cfg: EvaluateConfig, target: Target, head, records: list[dict], out: Path) -> tuple[list[dict], list[str]]:
+def run_engine(
+    cfg: EvaluateConfig, target: Target, head, records: list[dict], out: Path
+) -> tuple[list[dict], list[str]]:
     """The chain records' prompt token ids decoded by vLLM without and with speculation (K =
     decode.chain_length); returns (engine records, notes about vLLM's log)."""
     chain = [r for r in records if r["method"] == "chain"]
@@ -187,18 +199,37 @@ def run_engine(cfg: EvaluateConfig, target: Target, head, records: list[dict], o
     else:
         head_dir = export_for_vllm(head, target, out / "engine" / "vllm_head")
         runs = {"ar": None, "chain": speculative_config(head_dir, cfg.decode.chain_length)}
-        result = run_vllm(target.source, prompts, runs, out / "engine", max_model_len=target.max_len,
-                          python=cfg.engine_python, dtype=cfg.target.dtype if cfg.target.dtype != "auto" else "auto",
-                          **limits)
+        result = run_vllm(
+            target.source,
+            prompts,
+            runs,
+            out / "engine",
+            max_model_len=target.max_len,
+            python=cfg.engine_python,
+            dtype=cfg.target.dtype if cfg.target.dtype != "auto" else "auto",
+            **limits,
+        )
     engine_records = []
     for name in result.runs:
         for source, answer in zip(chain, result.outputs(name), strict=True):
-            engine_records.append({
-                "bench": source["bench"], "question_id": source["question_id"], "turn": source["turn"],
-                "engine": "vllm", "method": name, "new_tokens": len(answer["tokens"]), "wall_s": answer["wall_s"],
-                "tokens": answer["tokens"], "spec": answer["spec"]})
-    notes = [f"vllm {run.name}: the log reports a weight-loading problem: {w}" for run in result.runs.values()
-             for w in run.load_warnings]
+            engine_records.append(
+                {
+                    "bench": source["bench"],
+                    "question_id": source["question_id"],
+                    "turn": source["turn"],
+                    "engine": "vllm",
+                    "method": name,
+                    "new_tokens": len(answer["tokens"]),
+                    "wall_s": answer["wall_s"],
+                    "tokens": answer["tokens"],
+                    "spec": answer["spec"],
+                }
+            )
+    notes = [
+        f"vllm {run.name}: the log reports a weight-loading problem: {w}"
+        for run in result.runs.values()
+        for w in run.load_warnings
+    ]
     return engine_records, notes
 
 
@@ -210,8 +241,12 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
         "draft": cfg.draft.path,
         "benchmarks": ", ".join(bench_name(b) for b in cfg.bench),
         "methods": ", ".join(cfg.methods),
-        "engines": "builtin" + (f", vllm ({cfg.engine_url or 'started from ' + str(cfg.engine_python or '.venv-vllm')})"
-                                if cfg.engine == "vllm" else ""),
+        "engines": "builtin"
+        + (
+            f", vllm ({cfg.engine_url or 'started from ' + str(cfg.engine_python or '.venv-vllm')})"
+            if cfg.engine == "vllm"
+            else ""
+        ),
         "temperature": cfg.decode.temperature,
         "decode": json.dumps(decode),
         "num_questions": cfg.num_questions,
@@ -232,8 +267,10 @@ def run(cfg: EvaluateConfig) -> dict:
     renderer = ChatRenderer(target.tokenizer, cfg.target, target.max_len)
     prompt_limit = target.max_len - cfg.decode.max_new_tokens
     if prompt_limit < 2:
-        raise ValueError(f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
-                         f"{cfg.target.name}'s context of {target.max_len} tokens")
+        raise ValueError(
+            f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
+            f"{cfg.target.name}'s context of {target.max_len} tokens"
+        )
     records = [r for bench in cfg.bench for r in evaluate_bench(bench, cfg, decoders, renderer, prompt_limit)]
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -62,8 +62,12 @@ def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
     if target_id is None or max_len is None:
         log.warning("checkpoint %s records no target id or max_len; set target_id=... max_len=...", ckpt)
     return {
-        **meta, "target": target_id, "target_source": source, "target_architectures": architectures,
-        "max_len": max_len, "source_checkpoint": str(ckpt),
+        **meta,
+        "target": target_id,
+        "target_source": source,
+        "target_architectures": architectures,
+        "max_len": max_len,
+        "source_checkpoint": str(ckpt),
         "note": f"trained on sequences of at most {max_len} tokens; expect lower acceptance beyond that",
     }
 
@@ -85,8 +89,13 @@ def run(cfg: ExportConfig) -> Path:
             raise ValueError(f"export format=eagle: {ckpt} records no target source; set target_path=...")
         embed = load_input_embedding(resolve_path(source) or source)
     out = export_head(
-        head, cfg.format, resolve_path(cfg.out) or Path(cfg.out), meta=meta, embed_tokens=embed,
-        dtype=torch_dtype(cfg.dtype) if cfg.dtype else None, fold_bias=cfg.fc_bias == "fold",
+        head,
+        cfg.format,
+        resolve_path(cfg.out) or Path(cfg.out),
+        meta=meta,
+        embed_tokens=embed,
+        dtype=torch_dtype(cfg.dtype) if cfg.dtype else None,
+        fold_bias=cfg.fc_bias == "fold",
     )
     log.info("exported %s -> %s (format=%s)", ckpt, out, cfg.format)
     return out

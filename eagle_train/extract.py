@@ -68,7 +68,9 @@ class Conversations:
         return [int(n) for n in self.dataset["num_tokens"]]
 
 
-def tokenize(cfg: DataConfig, messages: datasets.Dataset, report: DropReport, target: Target) -> Conversations:
+def tokenize(
+    cfg: DataConfig, messages: datasets.Dataset, report: DropReport, target: Target
+) -> Conversations:
     """Render and tokenize with the target's template, truncated to data.max_len or the target's."""
     max_len = min(cfg.max_len or target.max_len, target.max_len)
     renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
@@ -136,21 +138,34 @@ def extract_rows(
         # By default no attention mask: in a causal decoder a real token attends only to earlier positions, all
         # real under right padding, and its position ids are 0..L-1 either way. Without a mask, SDPA
         # runs its fused causal kernel instead of materialising a [b, heads, T, T] mask.
-        mask = (torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]).long()  # [b, T]
-        hidden = target.hidden_states(input_ids.to(target.device), mask.to(target.device) if attention_mask else None)
+        mask = (
+            torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]
+        ).long()  # [b, T]
+        hidden = target.hidden_states(
+            input_ids.to(target.device), mask.to(target.device) if attention_mask else None
+        )
         hidden = hidden.to(dtype).cpu()  # [b, T, hidden]
         for row, i in enumerate(batch):
             hidden_out[i] = hidden[row, : lengths[i]].clone()  # [L, hidden]: the real tokens only
         if on_batch is not None:
             on_batch(len(batch), sum(lengths[i] for i in batch))
     return [
-        {"id": rows["id"][i], "input_ids": rows["input_ids"][i], "loss_mask": rows["loss_mask"][i], "hidden": h}
+        {
+            "id": rows["id"][i],
+            "input_ids": rows["input_ids"][i],
+            "loss_mask": rows["loss_mask"][i],
+            "hidden": h,
+        }
         for i, h in enumerate(hidden_out)
     ]
 
 
 def extract_shards(
-    cfg: ExtractConfig, target: Target, data: Conversations, plan: list[tuple[int, int]], accelerator: Accelerator
+    cfg: ExtractConfig,
+    target: Target,
+    data: Conversations,
+    plan: list[tuple[int, int]],
+    accelerator: Accelerator,
 ) -> None:
     """Extract this process's shards (index % num_processes == process_index) not already complete."""
     out_dir = Path(cfg.out_dir)
@@ -160,7 +175,9 @@ def extract_shards(
         log.info("process %d: keeping %d completed shards", accelerator.process_index, len(mine) - len(todo))
     stop_after = int(os.environ.get(STOP_AFTER_ENV, "0") or 0)
     total = sum(plan[k][1] - plan[k][0] for k in todo)
-    bar = tqdm(total=total, unit="conv", desc="extract", disable=not (cfg.progress and accelerator.is_main_process))
+    bar = tqdm(
+        total=total, unit="conv", desc="extract", disable=not (cfg.progress and accelerator.is_main_process)
+    )
     tokens, start = 0, time.perf_counter()
 
     def on_batch(conversations: int, batch_tokens: int) -> None:
@@ -204,7 +221,9 @@ def run(cfg: ExtractConfig) -> Path:
     extract_shards(cfg, target, data, plan, accelerator)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        manifest = write_manifest(out_dir, identity, plan, data.report.to_dict(), config_hash(content_key(identity)))
+        manifest = write_manifest(
+            out_dir, identity, plan, data.report.to_dict(), config_hash(content_key(identity))
+        )
         log.info("feature store %s\n%s", out_dir / MANIFEST_NAME, format_summary(manifest["counts"]))
     accelerator.wait_for_everyone()
     return out_dir

@@ -31,7 +31,9 @@ class StaticKVCache:
         device: torch.device | str = "cpu",
     ):
         # one buffer for keys and values: a compaction is one gather, a fused writer one copy (`update_kv`)
-        self.kv = torch.zeros((2, num_layers, batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            (2, num_layers, batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device
+        )
         self.keys, self.values = self.kv[0], self.kv[1]  # [layers, batch, kv_heads, capacity, head_dim]
         self.capacity = capacity
         self.seq_len = 0
@@ -39,9 +41,13 @@ class StaticKVCache:
         # cheaper than indexing the 6-D buffer each time
         self._layer_keys = [self.keys[i] for i in range(num_layers)]  # [batch, kv_heads, capacity, head_dim]
         self._layer_values = [self.values[i] for i in range(num_layers)]
-        self._layer_kv = [self.kv[:, i] for i in range(num_layers)]  # [2, batch, kv_heads, capacity, head_dim]
+        self._layer_kv = [
+            self.kv[:, i] for i in range(num_layers)
+        ]  # [2, batch, kv_heads, capacity, head_dim]
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values [batch, kv_heads, q, head_dim] after the committed slots of
         `layer_idx` and return the layer's keys/values so far [batch, kv_heads, seq_len + q, head_dim]."""
         start, q = self.seq_len, key.shape[2]
@@ -59,7 +65,9 @@ class StaticKVCache:
         if start + q > self.capacity:
             raise ValueError(f"KV cache overflow: {start + q} slots needed, capacity {self.capacity}")
         self._layer_kv[layer_idx].narrow(3, start, q).copy_(kv)
-        return self._layer_keys[layer_idx].narrow(2, 0, start + q), self._layer_values[layer_idx].narrow(2, 0, start + q)
+        return self._layer_keys[layer_idx].narrow(2, 0, start + q), self._layer_values[layer_idx].narrow(
+            2, 0, start + q
+        )
 
     def advance(self, num_tokens: int) -> None:
         """Commit the `num_tokens` entries written by the last forward."""

@@ -26,7 +26,9 @@ class ChainCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx in self.keys:
             key = torch.cat([self.keys[layer_idx], key], dim=2)
             value = torch.cat([self.values[layer_idx], value], dim=2)
@@ -75,7 +77,9 @@ def chain_topk(
 @torch.no_grad()
 def draft_metric_sums(
     head: nn.Module,
-    batch: dict[str, torch.Tensor],  # input_ids [b, n], features [b, n, d], target_hidden [b, n, d], loss_mask [b, n]
+    batch: dict[
+        str, torch.Tensor
+    ],  # input_ids [b, n], features [b, n, d], target_hidden [b, n, d], loss_mask [b, n]
     depth: int = 5,
 ) -> dict[str, float]:
     """Counts over one batch; sum them over batches and pass to `finalize_metrics`."""

@@ -58,8 +58,10 @@ def run_logged(argv: list[str], log_file: Path, env: dict[str, str]) -> int:
     """Run `argv`, streaming its output to this process's stdout and to `log_file`; return its exit code."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in env.items()}}
-    with log_file.open("wb") as log, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      env=env) as proc:
+    with (
+        log_file.open("wb") as log,
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc,
+    ):
         assert proc.stdout is not None
         while chunk := proc.stdout.read1(65536):
             sys.stdout.buffer.write(chunk)
@@ -84,7 +86,9 @@ def run_stage(name: str, spec: StageSpec, cfg: PipelineConfig, run_dir: Path) ->
     code = run_logged(argv, run_dir / "logs" / f"{name}.log", spec.env)
     seconds = time.perf_counter() - start
     if code != 0:
-        raise SystemExit(f"[pipeline] stage {name!r} failed (exit code {code}); see {run_dir / 'logs' / f'{name}.log'}")
+        raise SystemExit(
+            f"[pipeline] stage {name!r} failed (exit code {code}); see {run_dir / 'logs' / f'{name}.log'}"
+        )
     missing = [o for o in spec.outputs if not Path(o).exists()]
     if missing:
         raise SystemExit(f"[pipeline] stage {name!r} finished but did not write {missing}")
@@ -99,13 +103,18 @@ def run(cfg: PipelineConfig) -> list[dict]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    records = [run_stage(name, cfg.stages[name], cfg, run_dir)
-               for name in STAGE_ORDER if name in cfg.stages and cfg.stages[name].enabled]
+    records = [
+        run_stage(name, cfg.stages[name], cfg, run_dir)
+        for name in STAGE_ORDER
+        if name in cfg.stages and cfg.stages[name].enabled
+    ]
     total = time.perf_counter() - start
     summary = {"experiment": cfg.name, "run_dir": str(run_dir), "total_seconds": total, "stages": records}
     if not cfg.dry_run:
         (run_dir / "pipeline.json").write_text(json.dumps(summary, indent=2) + "\n")
-    times = ", ".join(f"{r['stage']} " + ("skipped" if r["skipped"] else f"{r['seconds']:.0f} s") for r in records)
+    times = ", ".join(
+        f"{r['stage']} " + ("skipped" if r["skipped"] else f"{r['seconds']:.0f} s") for r in records
+    )
     print(f"\n[pipeline] {cfg.name}: {total:.1f} s in all ({times}); run directory {run_dir}")
     report = Path(cfg.report)
     evaluated_now = any(r["stage"] == "evaluate" and not r["skipped"] for r in records)

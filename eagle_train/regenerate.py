@@ -76,8 +76,12 @@ def generate_batch(
     else:
         sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     out = target.model.generate(
-        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids, pad_token_id=pad_id, **sampling,
+        input_ids=ids.to(target.device),
+        attention_mask=mask.to(target.device),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        **sampling,
     )
     stops = set(stop_ids)
     replies = []
@@ -113,7 +117,12 @@ class Conversation:
 
 
 def regenerate_group(
-    target: Target, renderer: ChatRenderer, group: list[Conversation], cfg: RegenerateConfig, limit: int, seed: int
+    target: Target,
+    renderer: ChatRenderer,
+    group: list[Conversation],
+    cfg: RegenerateConfig,
+    limit: int,
+    seed: int,
 ) -> tuple[list[dict], Counter]:
     """Answer every turn of a group of conversations, one batched `generate` per turn index.
 
@@ -135,7 +144,10 @@ def regenerate_group(
         replies = generate_batch(target, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed + k)
         for conv, (reply, finish) in zip(active, replies, strict=True):
             text = target.tokenizer.decode(reply, skip_special_tokens=True)
-            conv.history += [{"role": "user", "content": conv.users[k]}, {"role": "assistant", "content": text}]
+            conv.history += [
+                {"role": "user", "content": conv.users[k]},
+                {"role": "assistant", "content": text},
+            ]
             conv.finish.append(finish)
             stats["tokens"] += len(reply)
     return [c.record() for c in group if c.finish], stats
@@ -157,9 +169,13 @@ def read_records(path: Path) -> list[dict]:
         try:
             record = json.loads(line)
         except ValueError as err:
-            raise ValueError(f"{path}: line {number}: not JSON ({err}); remove or fix that line and rerun") from err
+            raise ValueError(
+                f"{path}: line {number}: not JSON ({err}); remove or fix that line and rerun"
+            ) from err
         if not isinstance(record, dict) or "id" not in record:
-            raise ValueError(f"{path}: line {number}: not a record with an id; remove or fix that line and rerun")
+            raise ValueError(
+                f"{path}: line {number}: not a record with an id; remove or fix that line and rerun"
+            )
         records.append(record)
     return records
 
@@ -230,13 +246,27 @@ def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
     target = load_target(cfg.target, accelerator.device)
     renderer = ChatRenderer(target.tokenizer, cfg.target, context_limit(cfg, target))
     convs = [Conversation.from_messages(ids[n], dataset[n]["messages"], cfg.turns) for n in pending]
-    first_len = {c.id: len(renderer.render_prompt(c.history + [{"role": "user", "content": c.users[0]}])) for c in convs}
+    first_len = {
+        c.id: len(renderer.render_prompt(c.history + [{"role": "user", "content": c.users[0]}]))
+        for c in convs
+    }
     convs.sort(key=lambda c: first_len[c.id])  # similar lengths per batch: less padding
-    stats = Counter(conversations=len(ids), dropped_on_load=report.total, already_done=len(done), too_long=0,
-                    turns_cut=0, written=0, tokens=0)
+    stats = Counter(
+        conversations=len(ids),
+        dropped_on_load=report.total,
+        already_done=len(done),
+        too_long=0,
+        turns_cut=0,
+        written=0,
+        tokens=0,
+    )
     part = out.with_name(f"{out.name}.part{rank}")
     repair(part)
-    bar = tqdm(total=len(convs), desc=f"regenerate[{rank}]", disable=not (cfg.progress and accelerator.is_main_process))
+    bar = tqdm(
+        total=len(convs),
+        desc=f"regenerate[{rank}]",
+        disable=not (cfg.progress and accelerator.is_main_process),
+    )
     start = time.perf_counter()
     with part.open("a", encoding="utf-8") as f:
         for number, lo in enumerate(range(0, len(convs), cfg.batch_size)):
@@ -264,7 +294,9 @@ def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Co
             total[key] = total.get(key, 0) + other.get(key, 0)
         total["seconds"] = max(total.get("seconds", 0), other.get("seconds", 0))
     total["processes"] = len(everyone)
-    total["tokens_per_s"] = round(total.get("tokens", 0) / total["seconds"], 1) if total.get("seconds") else 0.0
+    total["tokens_per_s"] = (
+        round(total.get("tokens", 0) / total["seconds"], 1) if total.get("seconds") else 0.0
+    )
     if accelerator.is_main_process:
         total["records"] = merge(out, order)
         write_json_atomic(out.with_name(f"{out.name}.stats.json"), total)

@@ -39,8 +39,11 @@ def group_records(records: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
 
 def acceptance_by_position(records: list[dict]) -> list[float | None]:
     """Conditional acceptance rate of draft positions 1..deepest (None where no round reached k-1)."""
-    rounds = [(length - 1, depth) for r in records
-              for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True)]
+    rounds = [
+        (length - 1, depth)
+        for r in records
+        for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True)
+    ]
     deepest = max((d for _, d in rounds), default=0)
     rates: list[float | None] = []
     for k in range(1, deepest + 1):
@@ -63,7 +66,12 @@ def spec_counts(records: Iterable[dict]) -> dict[str, Any]:
     """Speculative-decoding counters as vLLM keeps them: drafts (rounds that drafted), draft tokens,
     accepted draft tokens, and per position k the drafts whose token k was accepted (not conditional).
     A record carries vLLM's own counters (`spec`) or the built-in decoder's rounds (accept_lengths, draft_depths)."""
-    total: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    total: dict[str, Any] = {
+        "num_drafts": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "accepted_per_pos": [],
+    }
     for r in records:
         if "spec" in r:
             total = add_spec_counts(total, r["spec"])
@@ -72,8 +80,15 @@ def spec_counts(records: Iterable[dict]) -> dict[str, Any]:
             if depth == 0:  # a plain decoding step, no draft
                 continue
             per_pos = [1] * (length - 1) + [0] * (depth - length + 1)
-            total = add_spec_counts(total, {"num_drafts": 1, "num_draft_tokens": depth,
-                                            "num_accepted_tokens": length - 1, "accepted_per_pos": per_pos})
+            total = add_spec_counts(
+                total,
+                {
+                    "num_drafts": 1,
+                    "num_draft_tokens": depth,
+                    "num_accepted_tokens": length - 1,
+                    "accepted_per_pos": per_pos,
+                },
+            )
     return total
 
 
@@ -98,7 +113,13 @@ def calibration(records: list[dict], bins: int = CALIBRATION_BINS) -> list[dict[
             sums[b][1] += float(ok)
             sums[b][2] += 1
     return [
-        {"bin_low": i / bins, "bin_high": (i + 1) / bins, "confidence": s / n, "accept_rate": a / n, "count": n}
+        {
+            "bin_low": i / bins,
+            "bin_high": (i + 1) / bins,
+            "confidence": s / n,
+            "accept_rate": a / n,
+            "count": n,
+        }
         for i, (s, a, n) in enumerate(sums)
         if n
     ]
@@ -143,9 +164,13 @@ def sanity_checks(rows: list[dict], min_rounds: int, greedy: bool) -> list[str]:
     for row in rows:
         name = f"{row['bench']}/{row['method']}"
         if row["method"] != BASELINE and row["rounds"] < min_rounds:
-            notes.append(f"{name}: only {row['rounds']} rounds (< {min_rounds}): tau and acceptance are noisy")
+            notes.append(
+                f"{name}: only {row['rounds']} rounds (< {min_rounds}): tau and acceptance are noisy"
+            )
         if greedy and row["method"] != BASELINE and row["identity_checked"] < row["answers"]:
-            notes.append(f"{name}: {row['answers'] - row['identity_checked']} answers had no ar baseline to compare")
+            notes.append(
+                f"{name}: {row['answers'] - row['identity_checked']} answers had no ar baseline to compare"
+            )
         if greedy and row["identical"] is not None and row["identical"] < row["identity_checked"]:
             notes.append(
                 f"{name}: {row['identity_checked'] - row['identical']} of {row['identity_checked']} greedy answers "
@@ -154,7 +179,9 @@ def sanity_checks(rows: list[dict], min_rounds: int, greedy: bool) -> list[str]:
         if row["method"] != BASELINE and row["speedup"] is None:
             notes.append(f"{name}: no ar baseline in this run, so no speedup")
         if row.get("prompts_cut"):
-            notes.append(f"{name}: {row['prompts_cut']} prompts were longer than the context allows and were cut")
+            notes.append(
+                f"{name}: {row['prompts_cut']} prompts were longer than the context allows and were cut"
+            )
         if row["tau"] is not None and row["tau"] < 1.0:
             notes.append(f"{name}: tau {row['tau']:.2f} < 1 is impossible: the round statistics are wrong")
     return notes
@@ -172,21 +199,39 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         identical = "-" if r["identical"] is None else f"{r['identical']}/{r['identity_checked']}"
-        acc = [_fmt(a) for a in r["acceptance_by_position"]] + ["-"] * (depth - len(r["acceptance_by_position"]))
-        cells = [r["bench"], r["method"], str(r["answers"]), str(r["rounds"]), _fmt(r["tau"]),
-                 _fmt(r["tokens_per_s"], ".1f"), _fmt(r["speedup"]) + ("x" if r["speedup"] else ""), identical, *acc]
+        acc = [_fmt(a) for a in r["acceptance_by_position"]] + ["-"] * (
+            depth - len(r["acceptance_by_position"])
+        )
+        cells = [
+            r["bench"],
+            r["method"],
+            str(r["answers"]),
+            str(r["rounds"]),
+            _fmt(r["tau"]),
+            _fmt(r["tokens_per_s"], ".1f"),
+            _fmt(r["speedup"]) + ("x" if r["speedup"] else ""),
+            identical,
+            *acc,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], plots: list[str],
-                    engines_markdown: str | None = None) -> str:
+def render_markdown(
+    rows: list[dict],
+    notes: list[str],
+    meta: dict[str, Any],
+    plots: list[str],
+    engines_markdown: str | None = None,
+) -> str:
     """report.md: run settings, the table, the engines side by side (if any), the sanity lines, the plots."""
     parts = ["# Evaluation report", ""]
     parts += [f"- {k}: {v}" for k, v in meta.items()]
     parts += ["", markdown_table(rows), ""]
-    parts.append("tau = tokens per target forward (accepted drafts + 1); acc@k = P(draft token k accepted | 1..k-1 "
-                 "accepted); speedup = tokens/s over ar's on the same benchmark, timed in this run.")
+    parts.append(
+        "tau = tokens per target forward (accepted drafts + 1); acc@k = P(draft token k accepted | 1..k-1 "
+        "accepted); speedup = tokens/s over ar's on the same benchmark, timed in this run."
+    )
     if engines_markdown:
         parts += ["", engines_markdown]
     parts += ["", "## Sanity", ""]
@@ -204,7 +249,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_report(
-    records: list[dict], out_dir: str | Path, meta: dict[str, Any], min_rounds: int = 20, plots: bool = True,
+    records: list[dict],
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    min_rounds: int = 20,
+    plots: bool = True,
     engines: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report.
@@ -216,13 +265,20 @@ def write_report(
     notes = sanity_checks(rows, min_rounds, greedy) + (engines["sanity"] if engines else [])
     plot_files = (write_plots(records, rows, out) if plots else []) + (engines["plots"] if engines else [])
     calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
-    report = {"meta": meta, "results": rows, "sanity": notes, "calibration": calib,
-              "plots": [Path(p).name for p in plot_files]}
+    report = {
+        "meta": meta,
+        "results": rows,
+        "sanity": notes,
+        "calibration": calib,
+        "plots": [Path(p).name for p in plot_files],
+    }
     if engines:
         report["engines"] = engines["rows"]
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(out / "report.md", render_markdown(rows, notes, meta, plot_files,
-                                                         engines["markdown"] if engines else None))
+    write_text_atomic(
+        out / "report.md",
+        render_markdown(rows, notes, meta, plot_files, engines["markdown"] if engines else None),
+    )
     return report
 
 
@@ -242,8 +298,12 @@ def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    for name, draw in (("acceptance_by_position", _plot_acceptance), ("tau_histogram", _plot_tau_hist),
-                       ("calibration", _plot_calibration), ("speedup", _plot_speedup)):
+    for name, draw in (
+        ("acceptance_by_position", _plot_acceptance),
+        ("tau_histogram", _plot_tau_hist),
+        ("calibration", _plot_calibration),
+        ("speedup", _plot_speedup),
+    ):
         fig = draw(plt, records, rows)
         path = out / f"{name}.png"
         tmp = out / f".{name}.tmp.png"
@@ -265,8 +325,12 @@ def _plot_acceptance(plt, records: list[dict], rows: list[dict]):
     for ax, bench in zip(axes, benches, strict=True):
         for row in (r for r in rows if r["bench"] == bench and r["acceptance_by_position"]):
             acc = row["acceptance_by_position"]
-            ax.plot(range(1, len(acc) + 1), [float("nan") if a is None else a for a in acc], marker="o",
-                    label=row["method"])
+            ax.plot(
+                range(1, len(acc) + 1),
+                [float("nan") if a is None else a for a in acc],
+                marker="o",
+                label=row["method"],
+            )
         ax.set(title=bench, xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05))
         ax.legend(fontsize=8)
     return fig
@@ -279,12 +343,22 @@ def _plot_tau_hist(plt, records: list[dict], rows: list[dict]):
     for ax, bench in zip(axes, benches, strict=True):
         width = 0.8 / max(len(methods), 1)
         for i, method in enumerate(methods):
-            lengths = [x for r in records if r["bench"] == bench and r["method"] == method for x in r["accept_lengths"]]
+            lengths = [
+                x
+                for r in records
+                if r["bench"] == bench and r["method"] == method
+                for x in r["accept_lengths"]
+            ]
             if not lengths:
                 continue
             top = max(lengths)
             share = [lengths.count(k) / len(lengths) for k in range(1, top + 1)]
-            ax.bar([k + (i - (len(methods) - 1) / 2) * width for k in range(1, top + 1)], share, width, label=method)
+            ax.bar(
+                [k + (i - (len(methods) - 1) / 2) * width for k in range(1, top + 1)],
+                share,
+                width,
+                label=method,
+            )
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set(title=bench, xlabel="tokens per round (accepted + 1)", ylabel="share of rounds")
         ax.legend(fontsize=8)
@@ -297,9 +371,19 @@ def _plot_calibration(plt, records: list[dict], rows: list[dict]):
     for method in _methods(rows):
         points = calibration([r for r in records if r["method"] == method])
         if points:
-            ax.plot([p["confidence"] for p in points], [p["accept_rate"] for p in points], marker="o", label=method)
-    ax.set(title="draft confidence vs acceptance", xlabel="draft confidence", ylabel="acceptance rate",
-           xlim=(0, 1), ylim=(0, 1.05))
+            ax.plot(
+                [p["confidence"] for p in points],
+                [p["accept_rate"] for p in points],
+                marker="o",
+                label=method,
+            )
+    ax.set(
+        title="draft confidence vs acceptance",
+        xlabel="draft confidence",
+        ylabel="acceptance rate",
+        xlim=(0, 1),
+        ylim=(0, 1.05),
+    )
     ax.legend(fontsize=8)
     return fig
 
@@ -310,10 +394,16 @@ def _plot_speedup(plt, records: list[dict], rows: list[dict]):
     fig, ax = plt.subplots(figsize=(max(4.5, 1.5 * len(benches)), 3.5))
     width = 0.8 / max(len(methods), 1)
     for i, method in enumerate(methods):
-        values = [next((r["speedup"] or 0.0 for r in rows if r["bench"] == b and r["method"] == method), 0.0)
-                  for b in benches]
-        bars = ax.bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(benches))], values, width,
-                      label=method)
+        values = [
+            next((r["speedup"] or 0.0 for r in rows if r["bench"] == b and r["method"] == method), 0.0)
+            for b in benches
+        ]
+        bars = ax.bar(
+            [j + (i - (len(methods) - 1) / 2) * width for j in range(len(benches))],
+            values,
+            width,
+            label=method,
+        )
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(benches)), benches)

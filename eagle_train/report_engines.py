@@ -43,11 +43,19 @@ def engine_row(bench: str, engine: str, records: list[dict], builtin_chain: list
     builtin = {_key(r): r["tokens"] for r in builtin_chain}
     same = [r["tokens"] == builtin[_key(r)] for r in spec if _key(r) in builtin] if engine != BUILTIN else []
     return {
-        "bench": bench, "engine": engine, "answers": len(spec), "counts": counts, "tau": counts_tau(counts),
-        "acceptance_by_position": counts_acceptance(counts), "tokens_per_s": speculative, "plain_tokens_per_s": base,
+        "bench": bench,
+        "engine": engine,
+        "answers": len(spec),
+        "counts": counts,
+        "tau": counts_tau(counts),
+        "acceptance_by_position": counts_acceptance(counts),
+        "tokens_per_s": speculative,
+        "plain_tokens_per_s": base,
         "speedup": speculative / base if speculative and base else None,
-        "identical": sum(r["tokens"] == plain[_key(r)] for r in with_plain), "identity_checked": len(with_plain),
-        "same_as_builtin": sum(same) if same else None, "compared_with_builtin": len(same),
+        "identical": sum(r["tokens"] == plain[_key(r)] for r in with_plain),
+        "identity_checked": len(with_plain),
+        "same_as_builtin": sum(same) if same else None,
+        "compared_with_builtin": len(same),
     }
 
 
@@ -71,17 +79,23 @@ def engine_sanity(rows: list[dict]) -> list[str]:
     for row in (r for r in rows if r["engine"] != BUILTIN):
         name, ours = f"{row['bench']}/{row['engine']}", builtin[row["bench"]]
         if row["counts"] != ours["counts"]:
-            notes.append(f"{name}: the engine's acceptance (tau {_fmt(row['tau'], '.4f')}, accepted per position "
-                         f"{row['counts']['accepted_per_pos']} of {row['counts']['num_drafts']} drafts) differs from the "
-                         f"built-in chain decoder's (tau {_fmt(ours['tau'], '.4f')}, {ours['counts']['accepted_per_pos']} "
-                         f"of {ours['counts']['num_drafts']}) on the same prompts: the head does not run in the engine "
-                         "as it was evaluated here")
+            notes.append(
+                f"{name}: the engine's acceptance (tau {_fmt(row['tau'], '.4f')}, accepted per position "
+                f"{row['counts']['accepted_per_pos']} of {row['counts']['num_drafts']} drafts) differs from the "
+                f"built-in chain decoder's (tau {_fmt(ours['tau'], '.4f')}, {ours['counts']['accepted_per_pos']} "
+                f"of {ours['counts']['num_drafts']}) on the same prompts: the head does not run in the engine "
+                "as it was evaluated here"
+            )
         if row["identical"] < row["identity_checked"]:
-            notes.append(f"{name}: {row['identity_checked'] - row['identical']} of {row['identity_checked']} greedy "
-                         "answers with speculation differ from the engine's answers without it")
+            notes.append(
+                f"{name}: {row['identity_checked'] - row['identical']} of {row['identity_checked']} greedy "
+                "answers with speculation differ from the engine's answers without it"
+            )
         if row["same_as_builtin"] is not None and row["same_as_builtin"] < row["compared_with_builtin"]:
-            notes.append(f"{name}: {row['compared_with_builtin'] - row['same_as_builtin']} of "
-                         f"{row['compared_with_builtin']} answers differ from the built-in decoder's")
+            notes.append(
+                f"{name}: {row['compared_with_builtin'] - row['same_as_builtin']} of "
+                f"{row['compared_with_builtin']} answers differ from the built-in decoder's"
+            )
     return notes
 
 
@@ -89,27 +103,55 @@ def engines_markdown(rows: list[dict], num_tokens: int) -> str:
     """The side-by-side table: one column per engine, one line per figure and benchmark."""
     engines = list(dict.fromkeys(r["engine"] for r in rows))
     depth = max((len(r["acceptance_by_position"]) for r in rows), default=0)
-    lines = [f"## Engines (the same prompt token ids; chain of {num_tokens} draft tokens, greedy)", "",
-             "| bench | figure | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
+    lines = [
+        f"## Engines (the same prompt token ids; chain of {num_tokens} draft tokens, greedy)",
+        "",
+        "| bench | figure | " + " | ".join(engines) + " |",
+        "|---|---|" + "---|" * len(engines),
+    ]
     for bench in dict.fromkeys(r["bench"] for r in rows):
         by = {r["engine"]: r for r in rows if r["bench"] == bench}
         figures = [("tau", lambda r: _fmt(r["tau"], ".4f"))]
-        figures += [(f"acc@{k + 1}", lambda r, k=k: _fmt(r["acceptance_by_position"][k], ".3f")
-                     if k < len(r["acceptance_by_position"]) else "-") for k in range(depth)]
         figures += [
-            ("accepted / draft tokens / drafts", lambda r: "{num_accepted_tokens} / {num_draft_tokens} / {num_drafts}"
-             .format(**r["counts"])),
+            (
+                f"acc@{k + 1}",
+                lambda r, k=k: (
+                    _fmt(r["acceptance_by_position"][k], ".3f")
+                    if k < len(r["acceptance_by_position"])
+                    else "-"
+                ),
+            )
+            for k in range(depth)
+        ]
+        figures += [
+            (
+                "accepted / draft tokens / drafts",
+                lambda r: "{num_accepted_tokens} / {num_draft_tokens} / {num_drafts}".format(**r["counts"]),
+            ),
             ("tokens/s speculative", lambda r: _fmt(r["tokens_per_s"], ".1f")),
             ("tokens/s plain", lambda r: _fmt(r["plain_tokens_per_s"], ".1f")),
             ("speedup", lambda r: _fmt(r["speedup"]) + ("x" if r["speedup"] else "")),
             ("greedy identical (speculative = plain)", lambda r: f"{r['identical']}/{r['identity_checked']}"),
-            ("answers = built-in's", lambda r: "-" if r["same_as_builtin"] is None
-             else f"{r['same_as_builtin']}/{r['compared_with_builtin']}"),
+            (
+                "answers = built-in's",
+                lambda r: (
+                    "-"
+                    if r["same_as_builtin"] is None
+                    else f"{r['same_as_builtin']}/{r['compared_with_builtin']}"
+                ),
+            ),
         ]
         for label, cell in figures:
-            lines.append(f"| {bench} | {label} | " + " | ".join(cell(by[e]) if e in by else "-" for e in engines) + " |")
-    lines += ["", "Counters as vLLM keeps them (spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, "
-              "_per_pos); the built-in figures are the `chain` method's. tokens/s: one prompt at a time in each engine."]
+            lines.append(
+                f"| {bench} | {label} | "
+                + " | ".join(cell(by[e]) if e in by else "-" for e in engines)
+                + " |"
+            )
+    lines += [
+        "",
+        "Counters as vLLM keeps them (spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, "
+        "_per_pos); the built-in figures are the `chain` method's. tokens/s: one prompt at a time in each engine.",
+    ]
     return "\n".join(lines)
 
 
@@ -125,10 +167,20 @@ def plot_engine_acceptance(rows: list[dict], out: Path) -> Path:
     for ax, bench in zip(axes, benches, strict=True):
         for row in (r for r in rows if r["bench"] == bench):
             acc = row["acceptance_by_position"]
-            ax.plot(range(1, len(acc) + 1), [float("nan") if a is None else a for a in acc], marker="o",
-                    linestyle="-" if row["engine"] == BUILTIN else "--", label=row["engine"])
+            ax.plot(
+                range(1, len(acc) + 1),
+                [float("nan") if a is None else a for a in acc],
+                marker="o",
+                linestyle="-" if row["engine"] == BUILTIN else "--",
+                label=row["engine"],
+            )
         ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set(title=bench, xlabel="draft position", ylabel="acceptance rate (given the earlier ones)", ylim=(0, 1.05))
+        ax.set(
+            title=bench,
+            xlabel="draft position",
+            ylabel="acceptance rate (given the earlier ones)",
+            ylim=(0, 1.05),
+        )
         ax.legend(fontsize=8)
     path, tmp = out / "acceptance_by_position_engines.png", out / ".acceptance_by_position_engines.tmp.png"
     fig.savefig(tmp, dpi=100, bbox_inches="tight")
@@ -137,9 +189,14 @@ def plot_engine_acceptance(rows: list[dict], out: Path) -> Path:
     return path
 
 
-def engine_section(records: list[dict], engine_records: list[dict], out: Path, num_tokens: int,
-                   plots: bool = True) -> dict[str, Any]:
+def engine_section(
+    records: list[dict], engine_records: list[dict], out: Path, num_tokens: int, plots: bool = True
+) -> dict[str, Any]:
     """What `report.write_report(engines=...)` adds: rows, the Markdown table, sanity notes, the plot."""
     rows = engine_rows(records, engine_records)
-    return {"rows": rows, "markdown": engines_markdown(rows, num_tokens), "sanity": engine_sanity(rows),
-            "plots": [plot_engine_acceptance(rows, out)] if plots else []}
+    return {
+        "rows": rows,
+        "markdown": engines_markdown(rows, num_tokens),
+        "sanity": engine_sanity(rows),
+        "plots": [plot_engine_acceptance(rows, out)] if plots else [],
+    }

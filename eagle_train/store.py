@@ -211,7 +211,9 @@ def write_manifest(
     for index, (start, stop) in enumerate(plan):
         side = sidecar_path(out_dir / shard_name(index))
         info = json.loads(side.read_text()) if side.is_file() else {}
-        if (info.get("start"), info.get("stop")) != (start, stop) or not (out_dir / shard_name(index)).is_file():
+        if (info.get("start"), info.get("stop")) != (start, stop) or not (
+            out_dir / shard_name(index)
+        ).is_file():
             raise StoreError(f"{out_dir}: shard {index} (samples {start}:{stop}) is missing or incomplete")
         shards.append(info)
     planned = {shard_name(i) for i in range(len(plan))}
@@ -324,7 +326,14 @@ def completed_shard(out_dir: str | Path, index: int, expected: dict[str, Any]) -
 def remove_store_files(out_dir: str | Path) -> None:
     """Delete what a store writes (manifest, store config, shards, sidecars, temp files); nothing else."""
     out_dir = Path(out_dir)
-    patterns = (MANIFEST_NAME, STORE_CONFIG_NAME, "shard-*.safetensors", "shard-*.json", ".shard-*.tmp", ".*.json.*.tmp")
+    patterns = (
+        MANIFEST_NAME,
+        STORE_CONFIG_NAME,
+        "shard-*.safetensors",
+        "shard-*.json",
+        ".shard-*.tmp",
+        ".*.json.*.tmp",
+    )
     for pattern in patterns:
         for f in out_dir.glob(pattern):
             f.unlink(missing_ok=True)
@@ -388,7 +397,11 @@ class FeatureStore:
         self.path = Path(path)
         manifest_file = self.path / MANIFEST_NAME
         if not manifest_file.is_file():
-            hint = " (extraction not finished: rerun it to resume)" if (self.path / STORE_CONFIG_NAME).exists() else ""
+            hint = (
+                " (extraction not finished: rerun it to resume)"
+                if (self.path / STORE_CONFIG_NAME).exists()
+                else ""
+            )
             raise StoreError(f"{self.path}: not a complete feature store, no {MANIFEST_NAME}{hint}")
         self.manifest: dict[str, Any] = json.loads(manifest_file.read_text())
         version = self.manifest.get("schema_version")

@@ -65,9 +65,13 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available():
         # DeepSpeed on a CPU-only machine: without this its process group stays uninitialised (gloo).
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
-                       log_with="wandb" if cfg.wandb else None, step_scheduler_with_optimizer=False,
-                       kwargs_handlers=handlers)
+    return Accelerator(
+        mixed_precision=precision,
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with="wandb" if cfg.wandb else None,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=handlers,
+    )
 
 
 def configure_deepspeed(accelerator: Accelerator, cfg: TrainConfig) -> None:
@@ -101,6 +105,7 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
             return collate([source[i] for i in indices])
+
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
         raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
@@ -118,14 +123,22 @@ def build_head(cfg: TrainConfig, target: Target) -> DraftHead:
     return head.float()
 
 
-def step_batches(plan: list[list[int]], cursor: int, accelerator: Accelerator, grad_accum: int) -> list[list[int]]:
+def step_batches(
+    plan: list[list[int]], cursor: int, accelerator: Accelerator, grad_accum: int
+) -> list[list[int]]:
     """This process's micro-batches of the optimizer step starting at `cursor` of the epoch plan."""
     group = plan[cursor : cursor + accelerator.num_processes * grad_accum]
     return group[accelerator.process_index :: accelerator.num_processes]
 
 
-def train_step(model, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, accelerator: Accelerator,
-               lm_weight: torch.Tensor, noise_seeds: list[int]) -> torch.Tensor:
+def train_step(
+    model,
+    batches: list[dict[str, torch.Tensor]],
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    lm_weight: torch.Tensor,
+    noise_seeds: list[int],
+) -> torch.Tensor:
     """Forward/backward over this process's micro-batches; returns summed terms
     [smooth_l1, ce, correct, tokens, positions] (not yet reduced across processes).
 
@@ -144,12 +157,25 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, 
         with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
             features = add_feature_noise(batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator)
             pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
-            sums = eagle_loss_sums(pred, batch["target_hidden"], lm_weight, batch["target_ids"],
-                                   batch["loss_mask"], cfg.loss.soft)
+            sums = eagle_loss_sums(
+                pred,
+                batch["target_hidden"],
+                lm_weight,
+                batch["target_ids"],
+                batch["loss_mask"],
+                cfg.loss.soft,
+            )
             terms = combine_terms(sums, global_tokens[0], cfg.loss.w_v, cfg.loss.w_p)
             accelerator.backward(terms["loss"] * scale)
-        totals += torch.stack([sums["smooth_l1"].detach(), sums["ce"].detach(), sums["correct"], sums["tokens"],
-                               batch["positions"].sum().float()])
+        totals += torch.stack(
+            [
+                sums["smooth_l1"].detach(),
+                sums["ce"].detach(),
+                sums["correct"],
+                sums["tokens"],
+                batch["positions"].sum().float(),
+            ]
+        )
     return totals
 
 
@@ -177,8 +203,16 @@ def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Acce
     held_out = data.held_out[: cfg.eval_max_samples] if cfg.eval_max_samples else data.held_out
     mine = held_out[accelerator.process_index :: accelerator.num_processes]
     plan = plan_epoch(mine, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, True, 0) if mine else []
-    keys = ["first_tokens", "top1", "top3", *[f"step{k}" for k in range(1, cfg.eval_depth + 1)],
-            "chains", "accept_len", "smooth_l1", "ce"]
+    keys = [
+        "first_tokens",
+        "top1",
+        "top3",
+        *[f"step{k}" for k in range(1, cfg.eval_depth + 1)],
+        "chains",
+        "accept_len",
+        "smooth_l1",
+        "ce",
+    ]
     totals = dict.fromkeys(keys, 0.0)
     head.eval()
     for indices in plan:
@@ -187,16 +221,26 @@ def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Acce
             for key, value in draft_metric_sums(head, batch, cfg.eval_depth).items():
                 totals[key] += value
             pred = head(batch["input_ids"], batch["features"])
-            sums = eagle_loss_sums(pred, batch["target_hidden"], head.lm_head.weight, batch["target_ids"],
-                                   batch["loss_mask"], cfg.loss.soft)
+            sums = eagle_loss_sums(
+                pred,
+                batch["target_hidden"],
+                head.lm_head.weight,
+                batch["target_ids"],
+                batch["loss_mask"],
+                cfg.loss.soft,
+            )
         totals["smooth_l1"] += float(sums["smooth_l1"])
         totals["ce"] += float(sums["ce"])
     head.train()
     reduced = accelerator.reduce(torch.tensor([totals[k] for k in keys], device=accelerator.device), "sum")
     totals = dict(zip(keys, reduced.tolist(), strict=True))
     out = finalize_metrics(totals, cfg.eval_depth)
-    terms = combine_terms({"smooth_l1": torch.tensor(totals["smooth_l1"]), "ce": torch.tensor(totals["ce"])},
-                          totals["first_tokens"], cfg.loss.w_v, cfg.loss.w_p)
+    terms = combine_terms(
+        {"smooth_l1": torch.tensor(totals["smooth_l1"]), "ce": torch.tensor(totals["ce"])},
+        totals["first_tokens"],
+        cfg.loss.w_v,
+        cfg.loss.w_p,
+    )
     out.update({k: float(v) for k, v in terms.items()})
     return {f"eval/{k}": v for k, v in out.items()}
 
@@ -222,8 +266,10 @@ def resume_state(cfg: TrainConfig, out_dir: Path, accelerator: Accelerator) -> d
         return fresh
     state = ckpt.load_checkpoint(accelerator, found[-1])
     if state["plan"] != fresh["plan"]:
-        raise ValueError(f"{found[-1]}: cannot resume, batch plan settings differ: checkpoint {state['plan']}, "
-                         f"config {fresh['plan']} (use another out_dir or resume=never)")
+        raise ValueError(
+            f"{found[-1]}: cannot resume, batch plan settings differ: checkpoint {state['plan']}, "
+            f"config {fresh['plan']} (use another out_dir or resume=never)"
+        )
     accelerator.print(f"resumed from {found[-1]} at step {state['step']}")
     return state
 
@@ -259,31 +305,51 @@ def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
-        raise RuntimeError(f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
-                           f"{torch.distributed.get_world_size()}: the launch is misconfigured")
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
+            f"{torch.distributed.get_world_size()}: the launch is misconfigured"
+        )
     per_step = accelerator.num_processes * cfg.grad_accum
     first_plan = epoch_plan(cfg, data, 0)
     steps_per_epoch = len(first_plan) // per_step
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
-                         f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens")
+        raise ValueError(
+            f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
+            f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
+        )
     total = total_steps(cfg, steps_per_epoch)
     state = resume_state(cfg, out_dir, accelerator)
     if state["step"] == 0 and accelerator.is_main_process:  # a fresh run starts a fresh metrics file
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     if cfg.wandb:
         accelerator.init_trackers(cfg.wandb_project, config=json.loads(json.dumps(asdict(cfg), default=str)))
-    accelerator.print(f"train {len(data.train)} / held-out {len(data.held_out)} sequences, {steps_per_epoch} "
-                      f"steps per epoch, {total} steps, padding {padding_fraction(data.source.lengths, first_plan):.1%}")
+    accelerator.print(
+        f"train {len(data.train)} / held-out {len(data.held_out)} sequences, {steps_per_epoch} "
+        f"steps per epoch, {total} steps, padding {padding_fraction(data.source.lengths, first_plan):.1%}"
+    )
     meta = {**data.identity, "max_len": max(data.source.lengths)}
-    session = Session(accelerator, model, optimizer, data, lm_weight, out_dir, meta, per_step, steps_per_epoch,
-                      total, min(total, cfg.stop_at_step or total), target)
+    session = Session(
+        accelerator,
+        model,
+        optimizer,
+        data,
+        lm_weight,
+        out_dir,
+        meta,
+        per_step,
+        steps_per_epoch,
+        total,
+        min(total, cfg.stop_at_step or total),
+        target,
+    )
     return session, state
 
 
 def epoch_plan(cfg: TrainConfig, data: RunData, epoch: int) -> list[list[int]]:
     """The micro-batches of one epoch (a pure function of the config and the epoch: resumable)."""
-    return plan_epoch(data.train, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, cfg.bucket, cfg.seed + epoch)
+    return plan_epoch(
+        data.train, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, cfg.bucket, cfg.seed + epoch
+    )
 
 
 def noise_seeds(cfg: TrainConfig, state: dict[str, Any], accelerator: Accelerator, count: int) -> list[int]:
@@ -296,8 +362,13 @@ def noise_seeds(cfg: TrainConfig, state: dict[str, Any], accelerator: Accelerato
 def window_metrics(sums: list[float], cfg: TrainConfig, seconds: float) -> dict[str, float]:
     """Averages of the summed train terms [smooth_l1, ce, correct, tokens, positions] over a log window."""
     tokens = max(sums[3], 1.0)
-    return {"loss": (cfg.loss.w_v * sums[0] + cfg.loss.w_p * sums[1]) / tokens, "smooth_l1": sums[0] / tokens,
-            "ce": sums[1] / tokens, "train_top1": sums[2] / tokens, "tokens_per_s": sums[4] / max(seconds, 1e-9)}
+    return {
+        "loss": (cfg.loss.w_v * sums[0] + cfg.loss.w_p * sums[1]) / tokens,
+        "smooth_l1": sums[0] / tokens,
+        "ce": sums[1] / tokens,
+        "train_top1": sums[2] / tokens,
+        "tokens_per_s": sums[4] / max(seconds, 1e-9),
+    }
 
 
 def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
@@ -314,19 +385,27 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         batches = [s.data.make_batch(b) for b in step_batches(plan, state["cursor"], acc, cfg.grad_accum)]
         lr = lr_at(state["step"], s.total, cfg.optim)
         set_lr(s.optimizer, lr)
-        window += train_step(s.model, batches, cfg, acc, s.lm_weight, noise_seeds(cfg, state, acc, len(batches)))
+        window += train_step(
+            s.model, batches, cfg, acc, s.lm_weight, noise_seeds(cfg, state, acc, len(batches))
+        )
         norm = clip_and_step(s.model, s.optimizer, cfg, acc)
         state["step"], state["cursor"] = state["step"] + 1, state["cursor"] + s.per_step
         step = state["step"]
         bar.update(1)
         if step % cfg.log_every == 0 or step == s.stop:
-            values = window_metrics(acc.reduce(window, "sum").tolist(), cfg, time.perf_counter() - window_start)
-            log_metrics(acc, s.out_dir, step, {**values, "lr": lr, "grad_norm": norm, "epoch": state["epoch"]})
+            values = window_metrics(
+                acc.reduce(window, "sum").tolist(), cfg, time.perf_counter() - window_start
+            )
+            log_metrics(
+                acc, s.out_dir, step, {**values, "lr": lr, "grad_norm": norm, "epoch": state["epoch"]}
+            )
             bar.set_postfix(loss=f"{values['loss']:.4f}", top1=f"{values['train_top1']:.3f}")
             window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < s.stop and s.data.held_out:
             log_metrics(acc, s.out_dir, step, evaluate(acc.unwrap_model(s.model), s.data, cfg, acc))
-        if cfg.eval_engine != "none" and ((cfg.eval_engine_every and step % cfg.eval_engine_every == 0) or step == s.stop):
+        if cfg.eval_engine != "none" and (
+            (cfg.eval_engine_every and step % cfg.eval_engine_every == 0) or step == s.stop
+        ):
             log_engine_metrics(cfg, s, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == s.stop:
             ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, cfg.keep_last)

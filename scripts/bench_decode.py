@@ -51,7 +51,9 @@ def load_prompts(tokenizer, n: int, offset: int = 0) -> list[list[int]]:
     return [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
 
 
-def training_rows(target, prompts: list[list[int]], seq_len: int = 128, max_new_tokens: int = 300) -> torch.Tensor:
+def training_rows(
+    target, prompts: list[list[int]], seq_len: int = 128, max_new_tokens: int = 300
+) -> torch.Tensor:
     """Token rows [n, seq_len]: each prompt followed by the target's own greedy continuation
     (self-distillation, generated in left-padded batches), joined and cut into rows."""
     rows = []
@@ -64,7 +66,9 @@ def training_rows(target, prompts: list[list[int]], seq_len: int = 128, max_new_
     return flat[: n * seq_len].view(n, seq_len)
 
 
-def train_draft(target, rows: torch.Tensor, steps: int, batch: int = 32, lr: float = 3e-3, ce_weight: float = 0.5) -> DraftHead:
+def train_draft(
+    target, rows: torch.Tensor, steps: int, batch: int = 32, lr: float = 3e-3, ce_weight: float = 0.5
+) -> DraftHead:
     """A 1-layer EAGLE head: SmoothL1(f^, f) + ce_weight * soft CE against the target's distribution."""
     torch.manual_seed(0)
     logits, feats = target.features(rows)  # [n, seq, vocab], [n, seq, hidden]
@@ -85,7 +89,9 @@ def train_draft(target, rows: torch.Tensor, steps: int, batch: int = 32, lr: flo
         opt.step()
         sched.step()
         if step % 200 == 0 or step == steps - 1:
-            print(f"  train step {step:5d} loss {loss.item():.4f} (smooth_l1 {reg.item():.4f}, ce {ce.item():.3f})")
+            print(
+                f"  train step {step:5d} loss {loss.item():.4f} (smooth_l1 {reg.item():.4f}, ce {ce.item():.3f})"
+            )
     return head.eval()
 
 
@@ -93,7 +99,9 @@ def time_methods(target, head, prompts, methods, max_new_tokens: int, repeats: i
     """Median time per (prompt, method), tokens, and the speculative stats; checks greedy equality."""
     results = {name: {"times": [], "tokens": 0, "stats": []} for name in methods}
     decoders = {
-        name: SpeculativeDecoder(target, head, DecodeConfig(**{**cfg.__dict__, "max_new_tokens": max_new_tokens}))
+        name: SpeculativeDecoder(
+            target, head, DecodeConfig(**{**cfg.__dict__, "max_new_tokens": max_new_tokens})
+        )
         for name, cfg in methods.items()
     }
     for i, prompt in enumerate(prompts):
@@ -126,9 +134,13 @@ def summarize(results: dict) -> dict:
             "overhead_fraction": sum(s.time_other for s in stats) / total if name != "hf" else None,
             "draft_fraction": sum(s.time_draft for s in stats) / total,
             "verify_fraction": sum(s.time_verify for s in stats) / total,
-            "target_forward_fraction": sum(s.time_target_forward for s in stats) / total if name != "hf" else None,
+            "target_forward_fraction": sum(s.time_target_forward for s in stats) / total
+            if name != "hf"
+            else None,
             "draft_forward_fraction": sum(s.time_draft_forward for s in stats) / total,
-            "mean_tree_size": statistics.mean(n for s in stats for n in s.tree_size_per_round) if accepted else 1,
+            "mean_tree_size": statistics.mean(n for s in stats for n in s.tree_size_per_round)
+            if accepted
+            else 1,
             "tokens": r["tokens"],
             "seconds": sum(r["times"]),
         }
@@ -136,11 +148,15 @@ def summarize(results: dict) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'method':24s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'tree':>5s} {'overhead':>9s} {'draft':>6s} {'verify':>7s}")
+    print(
+        f"{'method':24s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'tree':>5s} {'overhead':>9s} {'draft':>6s} {'verify':>7s}"
+    )
     for name, s in summary.items():
         ov = "-" if s["overhead_fraction"] is None else f"{s['overhead_fraction']:.1%}"
-        print(f"{name:24s} {s['tokens_per_s']:8.1f} {s['speedup']:7.2f}x {s['tau']:6.2f} {s['mean_tree_size']:5.1f} "
-              f"{ov:>9s} {s['draft_fraction']:6.1%} {s['verify_fraction']:7.1%}")
+        print(
+            f"{name:24s} {s['tokens_per_s']:8.1f} {s['speedup']:7.2f}x {s['tau']:6.2f} {s['mean_tree_size']:5.1f} "
+            f"{ov:>9s} {s['draft_fraction']:6.1%} {s['verify_fraction']:7.1%}"
+        )
 
 
 def main() -> None:
@@ -148,17 +164,29 @@ def main() -> None:
     ap.add_argument("--draft", help="a trained head directory (save_head layout); default: train one here")
     ap.add_argument("--save-draft", help="where to save the head trained here")
     ap.add_argument("--train-steps", type=int, default=3000)
-    ap.add_argument("--train-prompts", type=int, default=513, help="prompts 200.. of the file (the timed ones come first)")
+    ap.add_argument(
+        "--train-prompts", type=int, default=513, help="prompts 200.. of the file (the timed ones come first)"
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest for this d=64 model on a CPU)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    ap.add_argument("--eagle2-shapes", default="", help="extra EAGLE-2 shapes to time, e.g. 4/3/12,5/2/10 (depth/top_k/total)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: fastest for this d=64 model on a CPU)"
+    )
+    ap.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS)
+    )
+    ap.add_argument(
+        "--eagle2-shapes",
+        default="",
+        help="extra EAGLE-2 shapes to time, e.g. 4/3/12,5/2/10 (depth/top_k/total)",
+    )
     ap.add_argument("--out", default=str(REPO_ROOT / "bench_results" / "decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_target(to_schema(OmegaConf.load(REPO_ROOT / "conf" / "target" / "stories260k.yaml"), TargetConfig))
+    target = load_target(
+        to_schema(OmegaConf.load(REPO_ROOT / "conf" / "target" / "stories260k.yaml"), TargetConfig)
+    )
     if args.draft:
         head, _ = load_head(args.draft)
         head.share_target_weights(target.embed_tokens, target.lm_head)
@@ -170,17 +198,27 @@ def main() -> None:
         head = train_draft(target, rows, args.train_steps)
         print(f"  trained in {time.perf_counter() - t0:.0f} s")
         if args.save_draft:
-            save_head(head, args.save_draft, {"target": "stories260k", "trained_by": "scripts/bench_decode.py"})
+            save_head(
+                head, args.save_draft, {"target": "stories260k", "trained_by": "scripts/bench_decode.py"}
+            )
     methods = {name: METHODS[name] for name in args.methods.split(",")}
     for shape in filter(None, args.eagle2_shapes.split(",")):
         depth, top_k, total = (int(x) for x in shape.split("/"))
-        methods[f"eagle2_{depth}_{top_k}_{total}"] = DecodeConfig(method="eagle2", depth=depth, top_k=top_k, total_tokens=total)
+        methods[f"eagle2_{depth}_{top_k}_{total}"] = DecodeConfig(
+            method="eagle2", depth=depth, top_k=top_k, total_tokens=total
+        )
     prompts = load_prompts(target.tokenizer, args.prompts)
     time_methods(target, head, prompts[:1], methods, 32, 1)  # warm-up
     summary = summarize(time_methods(target, head, prompts, methods, args.max_new_tokens, args.repeats))
     print_table(summary)
-    trees = {name: {k: v for k, v in cfg.__dict__.items() if k in ("method", "chain_length", "tree", "depth", "top_k", "total_tokens")}
-             for name, cfg in methods.items()}
+    trees = {
+        name: {
+            k: v
+            for k, v in cfg.__dict__.items()
+            if k in ("method", "chain_length", "tree", "depth", "top_k", "total_tokens")
+        }
+        for name, cfg in methods.items()
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"summary": summary, "methods": trees, "args": vars(args), "threads": torch.get_num_threads()}

@@ -43,7 +43,9 @@ from eagle_train.store import (
     write_shard,
 )
 
-ALPACA = (REPO_ROOT / ".." / "shared" / "data" / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json").resolve()
+ALPACA = (
+    REPO_ROOT / ".." / "shared" / "data" / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json"
+).resolve()
 VARIANTS = {  # name -> (ExtractConfig overrides, attention mask)
     "default": ({}, False),
     "batch size 1": ({"max_batch_size": 1}, False),
@@ -63,9 +65,16 @@ def extract_once(cfg: ExtractConfig, target, data, attention_mask: bool) -> tupl
     for k, (begin, end) in enumerate(plan):
         rows = data.dataset[begin:end]
         samples = extract.extract_rows(
-            target, rows, cfg.max_tokens, cfg.max_batch_size, HIDDEN_DTYPES[cfg.dtype], attention_mask=attention_mask
+            target,
+            rows,
+            cfg.max_tokens,
+            cfg.max_batch_size,
+            HIDDEN_DTYPES[cfg.dtype],
+            attention_mask=attention_mask,
         )
-        write_shard(out_dir, k, samples, cfg.dtype, target.vocab_size, extra=extract.shard_extra((begin, end)))
+        write_shard(
+            out_dir, k, samples, cfg.dtype, target.vocab_size, extra=extract.shard_extra((begin, end))
+        )
     seconds = time.perf_counter() - start
     write_manifest(out_dir, identity, plan, data.report.to_dict(), "bench")
     return seconds, out_dir
@@ -76,7 +85,9 @@ def read_benchmark(store_dir: Path, samples: int = 300) -> dict[str, float]:
     store = FeatureStore(store_dir)
     order = random.Random(0).sample(range(len(store)), min(samples, len(store)))
     shards = [safe_open(str(store_dir / s["file"]), "pt") for s in store.manifest["shards"]]
-    where = [(k, j) for k, shard in enumerate(store._shards) for j in range(len(shard.ids))]  # sample -> (shard, row)
+    where = [
+        (k, j) for k, shard in enumerate(store._shards) for j in range(len(shard.ids))
+    ]  # sample -> (shard, row)
 
     def via_safe_open(i: int) -> list[torch.Tensor]:
         k, j = where[i]
@@ -84,7 +95,10 @@ def read_benchmark(store_dir: Path, samples: int = 300) -> dict[str, float]:
         return [shards[k].get_slice(name)[begin:end] for name in ("hidden", "input_ids", "loss_mask")]
 
     results = {}
-    for name, fn in {"mmap reader (FeatureStore)": store.__getitem__, "safe_open get_slice": via_safe_open}.items():
+    for name, fn in {
+        "mmap reader (FeatureStore)": store.__getitem__,
+        "safe_open get_slice": via_safe_open,
+    }.items():
         times = []
         for i in order:
             start = time.perf_counter()
@@ -102,7 +116,9 @@ def main() -> None:
     torch.set_num_threads(2)
     disable_progress_bar()
     target_cfg = to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig)
-    cfg = ExtractConfig(target=target_cfg, data=DataConfig(name="alpaca", path=str(ALPACA), limit=args.limit), progress=False)
+    cfg = ExtractConfig(
+        target=target_cfg, data=DataConfig(name="alpaca", path=str(ALPACA), limit=args.limit), progress=False
+    )
     target = load_target(target_cfg)
     messages, report = load_conversations(cfg.data)
     data = extract.tokenize(cfg.data, messages, report, target)
@@ -128,7 +144,9 @@ def main() -> None:
     for name, rate in rates.items():
         print(f"{name:<26}{rate:>12,.0f}{rate / rates['batch size 1']:>10.2f}x")
     counts = manifest["counts"]
-    print(f"bytes on disk {counts['bytes']:,} ({manifest['dtype']}), {counts['bytes_per_token']:.1f} bytes/token")
+    print(
+        f"bytes on disk {counts['bytes']:,} ({manifest['dtype']}), {counts['bytes_per_token']:.1f} bytes/token"
+    )
     for name, micros in reads.items():
         print(f"random sample read, {name:<28}{micros:>8.0f} us")
 

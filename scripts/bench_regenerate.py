@@ -54,24 +54,34 @@ def main() -> None:
     for _ in range(args.repeats):
         for threads, batch in settings:
             torch.set_num_threads(threads)
-            seconds, tokens[(threads, batch)], outputs[(threads, batch)] = timed(target, prompts, batch, args.new_tokens)
+            seconds, tokens[(threads, batch)], outputs[(threads, batch)] = timed(
+                target, prompts, batch, args.new_tokens
+            )
             times[(threads, batch)].append(seconds)
     base = outputs[settings[0]]
     rows = []
     for threads, batch in settings:
         median = statistics.median(times[(threads, batch)])
         single = statistics.median(times[(threads, 1)]) if (threads, 1) in times else None
-        rows.append({
-            "threads": threads, "batch_size": batch, "median_s": round(median, 3),
-            "tokens_per_s": round(tokens[(threads, batch)] / median, 1),
-            "speedup_vs_batch1": round(single / median, 2) if single else None,
-            "replies_differing_from_first_setting": sum(a != b for a, b in zip(outputs[(threads, batch)], base, strict=True)),
-            "all_times_s": [round(t, 3) for t in times[(threads, batch)]],
-        })
+        rows.append(
+            {
+                "threads": threads,
+                "batch_size": batch,
+                "median_s": round(median, 3),
+                "tokens_per_s": round(tokens[(threads, batch)] / median, 1),
+                "speedup_vs_batch1": round(single / median, 2) if single else None,
+                "replies_differing_from_first_setting": sum(
+                    a != b for a, b in zip(outputs[(threads, batch)], base, strict=True)
+                ),
+                "all_times_s": [round(t, 3) for t in times[(threads, batch)]],
+            }
+        )
     print(f"{'threads':>7} {'batch':>5} {'median s':>9} {'tok/s':>8} {'x batch1':>8} {'differ':>6}")
     for r in rows:
-        print(f"{r['threads']:>7} {r['batch_size']:>5} {r['median_s']:>9} {r['tokens_per_s']:>8} "
-              f"{r['speedup_vs_batch1']!s:>8} {r['replies_differing_from_first_setting']:>6}")
+        print(
+            f"{r['threads']:>7} {r['batch_size']:>5} {r['median_s']:>9} {r['tokens_per_s']:>8} "
+            f"{r['speedup_vs_batch1']!s:>8} {r['replies_differing_from_first_setting']:>6}"
+        )
     out = REPO_ROOT / "bench_results" / "regenerate.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "prompts": len(prompts), "rows": rows}, indent=2) + "\n")

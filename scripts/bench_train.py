@@ -71,20 +71,31 @@ def train_child(overrides: list[str], threads: int) -> dict:
     lines = [json.loads(x) for x in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     rates = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]  # the first window has warm-up
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"tokens_per_s": statistics.median(rates), "peak_rss_mb": peak_mb, "wall_s": time.perf_counter() - start,
-            "final": final}
+    return {
+        "tokens_per_s": statistics.median(rates),
+        "peak_rss_mb": peak_mb,
+        "wall_s": time.perf_counter() - start,
+        "final": final,
+    }
 
 
 def spawn(overrides: list[str], threads: int) -> dict:
     """train_child in a fresh interpreter."""
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); from bench_train import train_child; "
-            f"print('RESULT' + json.dumps(train_child({overrides!r}, {threads})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": str(threads)})
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); from bench_train import train_child; "
+        f"print('RESULT' + json.dumps(train_child({overrides!r}, {threads})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": str(threads)},
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 def throughput(args: argparse.Namespace, workdir: Path) -> dict:
@@ -94,9 +105,20 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict:
 
     conversations, store = build_store(workdir, args.limit)
     lengths = FeatureStore(store).lengths
-    common = [f"features={store}", f"data.path={conversations}", f"data.limit={args.limit}", "progress=false",
-              f"max_steps={args.steps}", "log_every=5", "eval_every=0", "save_every=0", "eval_max_samples=1",
-              "resume=never", "optim.lr=1e-3", "optim.warmup_steps=10"]
+    common = [
+        f"features={store}",
+        f"data.path={conversations}",
+        f"data.limit={args.limit}",
+        "progress=false",
+        f"max_steps={args.steps}",
+        "log_every=5",
+        "eval_every=0",
+        "save_every=0",
+        "eval_max_samples=1",
+        "resume=never",
+        "optim.lr=1e-3",
+        "optim.warmup_steps=10",
+    ]
     results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for repeat in range(args.repeats):
         for name, extra in VARIANTS.items():
@@ -108,14 +130,26 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict:
         bucket = "bucket=true" in VARIANTS[name]
         plan = plan_epoch(list(range(len(lengths))), lengths, 8192, 4, bucket, 0)
         rate = statistics.median(r["tokens_per_s"] for r in runs)
-        table[name] = {"tokens_per_s": rate, "ratio": rate / base, "padding": padding_fraction(lengths, plan),
-                       "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
-                       "runs": [r["tokens_per_s"] for r in runs]}
+        table[name] = {
+            "tokens_per_s": rate,
+            "ratio": rate / base,
+            "padding": padding_fraction(lengths, plan),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+            "runs": [r["tokens_per_s"] for r in runs],
+        }
     print(f"{'variant':<20} {'tokens/s':>10} {'ratio':>6} {'padding':>8} {'peak RSS MB':>12}")
     for name, row in table.items():
-        print(f"{name:<20} {row['tokens_per_s']:>10.0f} {row['ratio']:>6.2f} {row['padding']:>8.1%} {row['peak_rss_mb']:>12.0f}")
-    return {"steps": args.steps, "repeats": args.repeats, "threads": args.threads, "conversations": args.limit,
-            "batch": "max_tokens 8192, max_batch_size 4 (default config)", "variants": table}
+        print(
+            f"{name:<20} {row['tokens_per_s']:>10.0f} {row['ratio']:>6.2f} {row['padding']:>8.1%} {row['peak_rss_mb']:>12.0f}"
+        )
+    return {
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "conversations": args.limit,
+        "batch": "max_tokens 8192, max_batch_size 4 (default config)",
+        "variants": table,
+    }
 
 
 def quality(args: argparse.Namespace, workdir: Path) -> dict:
@@ -125,18 +159,33 @@ def quality(args: argparse.Namespace, workdir: Path) -> dict:
     report = {}
     for name, data_file in datasets.items():
         conversations, store = build_store(workdir, None, data_file)
-        overrides = ["+recipe=stories260k_cpu", f"features={store}", f"out_dir={workdir / ('q_' + name)}",
-                     "progress=false", "resume=never", "eval_max_samples=null", f"max_steps={args.quality_steps}"]
+        overrides = [
+            "+recipe=stories260k_cpu",
+            f"features={store}",
+            f"out_dir={workdir / ('q_' + name)}",
+            "progress=false",
+            "resume=never",
+            "eval_max_samples=null",
+            f"max_steps={args.quality_steps}",
+        ]
         result = spawn(overrides, args.threads)
         report[name] = {"wall_s": result["wall_s"], "tokens_per_s": result["tokens_per_s"], **result["final"]}
-        print(f"{name:<12} top1 {result['final']['eval/top1']:.3f}  top3 {result['final']['eval/top3']:.3f}  "
-              f"tau(K=5) {result['final']['eval/accept_len']:.2f}  wall {result['wall_s']:.0f}s")
-    return {"preset": "conf/recipe/stories260k_cpu.yaml", "max_steps": args.quality_steps,
-            "threads": args.threads, "results": report}
+        print(
+            f"{name:<12} top1 {result['final']['eval/top1']:.3f}  top3 {result['final']['eval/top3']:.3f}  "
+            f"tau(K=5) {result['final']['eval/accept_len']:.2f}  wall {result['wall_s']:.0f}s"
+        )
+    return {
+        "preset": "conf/recipe/stories260k_cpu.yaml",
+        "max_steps": args.quality_steps,
+        "threads": args.threads,
+        "results": report,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per throughput run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

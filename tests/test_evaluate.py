@@ -28,26 +28,40 @@ def head_dir(target, tmp_path_factory):
 
 def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
     user = tmp_path / "two_turns.jsonl"
-    user.write_text(json.dumps({"id": "t", "turns": ["Once upon a time, a cat sat.", "Then it rained."]}) + "\n")
+    user.write_text(
+        json.dumps({"id": "t", "turns": ["Once upon a time, a cat sat.", "Then it rained."]}) + "\n"
+    )
     cfg = EvaluateConfig(
-        target=target_cfg, draft=DraftConfig(path=str(head_dir)), bench=["tinystories", str(user)],
-        methods=["ar", "chain", "eagle2"], num_questions=2, out_dir=str(tmp_path / "eval"), num_threads=1,
-        decode=DecodeConfig(max_new_tokens=24, depth=3, top_k=4, total_tokens=16), min_rounds=1000, progress=False,
+        target=target_cfg,
+        draft=DraftConfig(path=str(head_dir)),
+        bench=["tinystories", str(user)],
+        methods=["ar", "chain", "eagle2"],
+        num_questions=2,
+        out_dir=str(tmp_path / "eval"),
+        num_threads=1,
+        decode=DecodeConfig(max_new_tokens=24, depth=3, top_k=4, total_tokens=16),
+        min_rounds=1000,
+        progress=False,
     )
     report = run(cfg)
     out = tmp_path / "eval"
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     # tinystories: 2 questions x 1 turn x 3 methods; the user file: 1 question x 2 turns x 3 methods
     assert len(answers) == 12
-    assert {(a["bench"], a["method"]) for a in answers} == {(b, m) for b in ("tinystories", "two_turns")
-                                                           for m in ("ar", "chain", "eagle2")}
+    assert {(a["bench"], a["method"]) for a in answers} == {
+        (b, m) for b in ("tinystories", "two_turns") for m in ("ar", "chain", "eagle2")
+    }
     for a in answers:
         assert a["new_tokens"] == len(a["tokens"]) > 0
         if a["method"] == "ar":
             assert a["accept_lengths"] == [1] * a["new_tokens"]
         else:  # the first token comes from the prefill; a stop may cut the last round short
-            assert a["new_tokens"] <= sum(a["accept_lengths"]) + 1 and len(a["accept_lengths"]) == len(a["draft_depths"])
-        assert a["identical"] is (None if a["method"] == "ar" else True)  # greedy: equal to ar, token for token
+            assert a["new_tokens"] <= sum(a["accept_lengths"]) + 1 and len(a["accept_lengths"]) == len(
+                a["draft_depths"]
+            )
+        assert a["identical"] is (
+            None if a["method"] == "ar" else True
+        )  # greedy: equal to ar, token for token
     # the second turn is asked with the first answer in context
     turns = {a["turn"]: a for a in answers if a["bench"] == "two_turns" and a["method"] == "chain"}
     assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"] // 2
@@ -63,8 +77,14 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
 
 def test_config_from_hydra_and_errors(tmp_path):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = to_schema(compose("evaluate", overrides=["draft.path=/x", "bench=qa", "num_questions=3"]), EvaluateConfig)
-    assert cfg.bench == ["qa"] and cfg.methods == ["ar", "chain", "eagle1", "eagle2"] and cfg.decode.temperature == 0
+        cfg = to_schema(
+            compose("evaluate", overrides=["draft.path=/x", "bench=qa", "num_questions=3"]), EvaluateConfig
+        )
+    assert (
+        cfg.bench == ["qa"]
+        and cfg.methods == ["ar", "chain", "eagle1", "eagle2"]
+        and cfg.decode.temperature == 0
+    )
     with pytest.raises(ValueError, match="draft.path"):
         EvaluateConfig(methods=["ar", "eagle2"])
     with pytest.raises(ValueError, match="methods"):
@@ -79,30 +99,57 @@ def test_fit_prompt_keeps_start_and_end():
 
 def test_calibration_pairs_for_chains_and_trees():
     # two rounds of a chain of 3: accepted 1 (nodes 1, 2 tested), then 3 (all tested)
-    stats = GenerationStats(accepted_per_round=[1, 3], tree_size_per_round=[4, 4], node_depth=[1, 2, 3] * 2,
-                            node_confidence=[0.9, 0.5, 0.4, 0.8, 0.7, 0.6], node_accepted=[1, 0, 0, 1, 1, 1])
+    stats = GenerationStats(
+        accepted_per_round=[1, 3],
+        tree_size_per_round=[4, 4],
+        node_depth=[1, 2, 3] * 2,
+        node_confidence=[0.9, 0.5, 0.4, 0.8, 0.7, 0.6],
+        node_accepted=[1, 0, 0, 1, 1, 1],
+    )
     assert calibration_pairs(stats, "chain") == [[0.9, 1], [0.5, 0], [0.8, 1], [0.7, 1], [0.6, 1]]
     # a tree (root + two children + one grandchild): only depth-1 nodes are known to be tested
-    tree = GenerationStats(accepted_per_round=[2], tree_size_per_round=[4], node_depth=[1, 1, 2],
-                           node_confidence=[0.6, 0.3, 0.9], node_accepted=[1, 0, 1])
+    tree = GenerationStats(
+        accepted_per_round=[2],
+        tree_size_per_round=[4],
+        node_depth=[1, 1, 2],
+        node_confidence=[0.6, 0.3, 0.9],
+        node_accepted=[1, 0, 1],
+    )
     assert calibration_pairs(tree, "eagle2") == [[0.6, 1], [0.3, 0]]
 
 
 def test_engine_settings_are_checked(target_cfg):
     cfg = EvaluateConfig(target=target_cfg, draft=DraftConfig(path="x"), methods=["eagle2"], engine="vllm")
-    assert cfg.methods == ["eagle2", "ar", "chain"]  # the engines are compared on chain against plain decoding
+    assert cfg.methods == [
+        "eagle2",
+        "ar",
+        "chain",
+    ]  # the engines are compared on chain against plain decoding
     with pytest.raises(ValueError, match="engine must be one of"):
         EvaluateConfig(target=target_cfg, draft=DraftConfig(path="x"), engine="tgi")
     with pytest.raises(ValueError, match="compares greedy decoding"):
-        EvaluateConfig(target=target_cfg, draft=DraftConfig(path="x"), engine="vllm",
-                       decode=DecodeConfig(temperature=0.7))
+        EvaluateConfig(
+            target=target_cfg,
+            draft=DraftConfig(path="x"),
+            engine="vllm",
+            decode=DecodeConfig(temperature=0.7),
+        )
 
 
 def test_records_carry_their_prompt_ids(target_cfg, head_dir, tmp_path):
     """evaluate engine=vllm hands an engine exactly the prompt token ids the built-in decoder answered."""
-    cfg = EvaluateConfig(target=target_cfg, draft=DraftConfig(path=str(head_dir)), bench=["tinystories"],
-                         methods=["ar", "chain"], num_questions=1, out_dir=str(tmp_path), num_threads=1,
-                         decode=DecodeConfig(max_new_tokens=8), progress=False, plots=False)
+    cfg = EvaluateConfig(
+        target=target_cfg,
+        draft=DraftConfig(path=str(head_dir)),
+        bench=["tinystories"],
+        methods=["ar", "chain"],
+        num_questions=1,
+        out_dir=str(tmp_path),
+        num_threads=1,
+        decode=DecodeConfig(max_new_tokens=8),
+        progress=False,
+        plots=False,
+    )
     run(cfg)
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert {len(a["prompt_ids"]) for a in answers} == {answers[0]["prompt_tokens"]}

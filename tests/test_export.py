@@ -30,7 +30,11 @@ def ckpt(target, tmp_path):
     torch.manual_seed(0)
     head = DraftHead.from_target(target.config, fc_bias=True)
     # what training writes (eagle_train/training/sources.py: checkpoint_identity)
-    meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"}, "max_len": 384, "step": 7}
+    meta = {
+        "target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"},
+        "max_len": 384,
+        "step": 7,
+    }
     return save_head(head, tmp_path / "ckpt", meta)
 
 
@@ -39,13 +43,18 @@ def test_shipped_config_composes():
     assert cfg.format == "vllm" and cfg.fc_bias == "fold" and cfg.ckpt == ""
 
 
-@pytest.mark.parametrize("fmt,weights", [("vllm", "model.safetensors"), ("sglang", "model.safetensors"), ("eagle", "pytorch_model.bin")])
+@pytest.mark.parametrize(
+    "fmt,weights",
+    [("vllm", "model.safetensors"), ("sglang", "model.safetensors"), ("eagle", "pytorch_model.bin")],
+)
 def test_run_writes_each_layout(ckpt, tmp_path, fmt, weights):
     out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}"))
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", weights])
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_train"]["target"] == "stories260k" and config["eagle_train"]["max_len"] == 384
-    assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_source"] == str(STORIES260K)
+    assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_source"] == str(
+        STORIES260K
+    )
 
 
 def test_exports_are_readable_by_another_user(ckpt, tmp_path):
@@ -74,7 +83,10 @@ def test_config_carries_the_targets_limits_and_architectures(ckpt, tmp_path):
 def test_head_dim_re_expression(ckpt, tmp_path):
     out = run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}", "head_dim=32"))
     config = json.loads((out / "config.json").read_text())
-    assert config["head_dim"] == 32 and config["eagle_train"]["reexpressed"] == {"head_dim": 8, "new_head_dim": 32}
+    assert config["head_dim"] == 32 and config["eagle_train"]["reexpressed"] == {
+        "head_dim": 8,
+        "new_head_dim": 32,
+    }
     assert load_file(str(out / "model.safetensors"))["layers.0.self_attn.q_proj.weight"].shape == (256, 64)
 
 
@@ -86,8 +98,16 @@ def test_the_reference_layout_cannot_hold_a_re_expressed_head(ckpt, tmp_path):
 
 
 def test_overrides_and_dtype(ckpt, tmp_path):
-    out = run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'o'}", "dtype=bfloat16",
-                         "target_id=my-llama", "max_len=2048"))
+    out = run(
+        export_cfg(
+            f"ckpt={ckpt}",
+            "format=sglang",
+            f"out={tmp_path / 'o'}",
+            "dtype=bfloat16",
+            "target_id=my-llama",
+            "max_len=2048",
+        )
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_train"]["target"] == "my-llama" and config["eagle_train"]["max_len"] == 2048
     assert all(v.dtype == torch.bfloat16 for v in load_file(str(out / "model.safetensors")).values())
@@ -115,7 +135,14 @@ def test_refuse_policy_leaves_nothing(ckpt, tmp_path):
 @pytest.mark.slow
 def test_cli(ckpt, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "eagle_train.export", f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'cli'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle_train.export",
+        f"ckpt={ckpt}",
+        "format=sglang",
+        f"out={tmp_path / 'cli'}",
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
@@ -135,7 +162,6 @@ def random_head(target, fc_bias: bool) -> DraftHead:
     return head.eval()
 
 
-
 # sglang and vllm without a bias copy the weights exactly (head outputs compared in tests/modeling/test_interop.py)
 @pytest.mark.parametrize("fmt,fc_bias", [("vllm", True), ("eagle", True)])
 def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_bias):
@@ -152,7 +178,11 @@ def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_
     prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
     runs = [SpeculativeDecoder(target, h, cfg).generate(prompt) for h in (head, imported)]
     assert runs[0].tokens == runs[1].tokens
-    stats = [{k: v for k, v in r.stats.to_dict().items() if "time" not in k and "second" not in k} for r in runs]
+    stats = [
+        {k: v for k, v in r.stats.to_dict().items() if "time" not in k and "second" not in k} for r in runs
+    ]
     confidence = [s.pop("node_confidence", None) for s in stats]
     assert stats[0] == stats[1]  # rounds, accepted lengths, acceptance by position
-    assert confidence[1] == pytest.approx(confidence[0], rel=1e-2, abs=1e-5)  # the vllm fold rounds differently
+    assert confidence[1] == pytest.approx(
+        confidence[0], rel=1e-2, abs=1e-5
+    )  # the vllm fold rounds differently

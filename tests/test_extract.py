@@ -30,9 +30,16 @@ def extract_cfg(target_cfg, out_dir, path=ALPACA, limit=12, max_len=128, **kw) -
 
 def test_extract_config_composes_with_overrides(tmp_path):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("extract", overrides=["data=alpaca", "data.limit=5", f"out_dir={tmp_path}", "dtype=float16"])
+        cfg = compose(
+            "extract", overrides=["data=alpaca", "data.limit=5", f"out_dir={tmp_path}", "dtype=float16"]
+        )
     schema = to_schema(cfg, ExtractConfig)
-    assert schema.data.name == "alpaca" and schema.data.limit == 5 and schema.dtype == "float16" and schema.out_dir == str(tmp_path)
+    assert (
+        schema.data.name == "alpaca"
+        and schema.data.limit == 5
+        and schema.dtype == "float16"
+        and schema.out_dir == str(tmp_path)
+    )
     assert schema.target.chat_template == "plain"
     with pytest.raises(ValueError, match="dtype"):
         ExtractConfig(dtype="int8")
@@ -43,7 +50,14 @@ def test_stored_features_are_the_targets(target_cfg, target, tmp_path):
     alone: lm_head(hidden) == logits, ids and loss masks as tokenized, nothing of the padding."""
     # a small token budget forces several batches of mixed lengths (so real padding) and 3 shards
     cfg = extract_cfg(
-        target_cfg, tmp_path, path=FASTCHAT, limit=8, max_len=96, dtype="float32", max_tokens=256, shard_samples=3
+        target_cfg,
+        tmp_path,
+        path=FASTCHAT,
+        limit=8,
+        max_len=96,
+        dtype="float32",
+        max_tokens=256,
+        shard_samples=3,
     )
     run(cfg)
     store = FeatureStore(tmp_path)
@@ -87,7 +101,9 @@ def test_bfloat16_store_keeps_the_argmax(target_cfg, target, tmp_path):
 def test_rerun_with_another_config_is_refused_unless_overwrite(target_cfg, tmp_path):
     run(extract_cfg(target_cfg, tmp_path, limit=3, dtype="float32"))
     before = (tmp_path / MANIFEST_NAME).read_text()
-    with pytest.raises(StoreMismatchError, match=r"dtype: expected 'bfloat16', found 'float32'.*overwrite=true"):
+    with pytest.raises(
+        StoreMismatchError, match=r"dtype: expected 'bfloat16', found 'float32'.*overwrite=true"
+    ):
         run(extract_cfg(target_cfg, tmp_path, limit=3))
     with pytest.raises(StoreMismatchError, match=r"data\.limit: expected 4, found 3"):
         run(extract_cfg(target_cfg, tmp_path, limit=4, dtype="float32"))
@@ -122,8 +138,12 @@ def test_bad_input_fails_before_writing(target_cfg, tmp_path, case, message):
         "directory": tmp_path,
         "empty": write(tmp_path / "empty.json", ""),
         "malformed": write(tmp_path / "bad.json", json.dumps([good])[:-1] + ', {"id": "b", "conv'),
-        "schema": write(tmp_path / "schema.jsonl", json.dumps(good) + "\n" + json.dumps({"id": "x", "turns": 3})),
-        "prompts_only": write(tmp_path / "p.json", json.dumps([{"id": "p", "conversations": good["conversations"][:1]}])),
+        "schema": write(
+            tmp_path / "schema.jsonl", json.dumps(good) + "\n" + json.dumps({"id": "x", "turns": 3})
+        ),
+        "prompts_only": write(
+            tmp_path / "p.json", json.dumps([{"id": "p", "conversations": good["conversations"][:1]}])
+        ),
     }
     out_dir = tmp_path / "store"
     with pytest.raises(DataError, match=message):

@@ -25,7 +25,9 @@ FASTCHAT = "../shared/data/sharegpt/fastchat_dummy_conversation.json"
 ARGS = ["data=fastchat_dummy", "data.limit=10", "data.max_len=96", "shard_samples=3", "progress=false"]
 
 
-def extract_cli(out_dir: Path, *extra: str, env: dict[str, str] | None = None, launcher: list[str] | None = None):
+def extract_cli(
+    out_dir: Path, *extra: str, env: dict[str, str] | None = None, launcher: list[str] | None = None
+):
     cmd = [*(launcher or [sys.executable]), "-m", "eagle_train.extract", *ARGS, f"out_dir={out_dir}", *extra]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=600)
@@ -48,7 +50,9 @@ def assert_same_store(store: FeatureStore, reference: FeatureStore) -> None:
     assert store.manifest["config_hash"] == reference.manifest["config_hash"]
     for i in range(len(reference)):
         got, want = store[i], reference[i]
-        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(
+            got["loss_mask"], want["loss_mask"]
+        )
         torch.testing.assert_close(got["hidden"].float(), want["hidden"].float(), atol=2e-2, rtol=1e-2)
 
 
@@ -70,7 +74,9 @@ def test_two_processes_equal_one(tmp_path, reference_store):
     # shards 0, 2 by process 0 and 1, 3 by process 1: both processes worked, one manifest
     assert [s["process"] for s in store.manifest["shards"]] == [0, 1, 0, 1]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".json")) == [
-        MANIFEST_NAME, *[f"shard-0000{k}.json" for k in range(4)], "store_config.json"
+        MANIFEST_NAME,
+        *[f"shard-0000{k}.json" for k in range(4)],
+        "store_config.json",
     ]
 
 

@@ -65,7 +65,9 @@ def test_masked_positions_do_not_matter():
 def test_global_normalisation_makes_split_batches_equal_to_one_batch():
     pred, target, weight, ids, mask = _random_case(2, b=4)
     whole = eagle_loss(pred, target, weight, ids, mask)["loss"]
-    halves = [eagle_loss_sums(pred[s], target[s], weight, ids[s], mask[s]) for s in (slice(0, 1), slice(1, 4))]
+    halves = [
+        eagle_loss_sums(pred[s], target[s], weight, ids[s], mask[s]) for s in (slice(0, 1), slice(1, 4))
+    ]
     total_tokens = sum(h["tokens"] for h in halves)
     split = sum(combine_terms(h, total_tokens)["loss"] for h in halves)
     torch.testing.assert_close(split, whole)

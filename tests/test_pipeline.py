@@ -21,9 +21,18 @@ from eagle_train.pipeline import run
 
 PRESETS = ["tiny_cpu", "llama3_1_8b_instruct", "vicuna_7b", "qwen2_5_7b_instruct"]
 # stage module -> its Hydra primary config (conf/<name>.yaml)
-HYDRA_STAGES = {"eagle_train.regenerate": "regenerate", "eagle_train.extract": "extract",
-                "eagle_train.train": "train", "eagle_train.evaluate": "evaluate"}
-SCHEMAS = {"regenerate": RegenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
+HYDRA_STAGES = {
+    "eagle_train.regenerate": "regenerate",
+    "eagle_train.extract": "extract",
+    "eagle_train.train": "train",
+    "eagle_train.evaluate": "evaluate",
+}
+SCHEMAS = {
+    "regenerate": RegenerateConfig,
+    "extract": ExtractConfig,
+    "train": TrainConfig,
+    "evaluate": EvaluateConfig,
+}
 
 
 def compose_pipeline(overrides: list[str]) -> PipelineConfig:
@@ -58,9 +67,12 @@ def test_preset_stages_accept_their_overrides(preset, tmp_path):
 
 def prepare_only(tmp_path, limit: int, **kw) -> PipelineConfig:
     out = tmp_path / "convs.jsonl"
-    spec = StageSpec(module="eagle_train.data.tinystories", args=[f"out={out}", f"limit={limit}"], outputs=[str(out)])
-    return PipelineConfig(name="t", run_dir=str(tmp_path), stages={"prepare": spec},
-                          report=str(tmp_path / "none.md"), **kw)
+    spec = StageSpec(
+        module="eagle_train.data.tinystories", args=[f"out={out}", f"limit={limit}"], outputs=[str(out)]
+    )
+    return PipelineConfig(
+        name="t", run_dir=str(tmp_path), stages={"prepare": spec}, report=str(tmp_path / "none.md"), **kw
+    )
 
 
 def test_run_resume_rerun_and_failure(tmp_path, capsys):

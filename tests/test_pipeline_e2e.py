@@ -23,7 +23,9 @@ REDUCED = {
 @pytest.mark.slow
 def test_reduced_demo(tmp_path, capsys):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = to_schema(compose("pipeline", overrides=["experiment=tiny_cpu", f"run_dir={tmp_path}"]), PipelineConfig)
+        cfg = to_schema(
+            compose("pipeline", overrides=["experiment=tiny_cpu", f"run_dir={tmp_path}"]), PipelineConfig
+        )
     cfg.overrides = REDUCED
     records = run(cfg)
     assert [r["stage"] for r in records] == ["prepare", "regenerate", "extract", "train", "evaluate"]
@@ -38,7 +40,13 @@ def test_reduced_demo(tmp_path, capsys):
     assert all(a["identical"] for a in answers if a["method"] != "ar")  # greedy: every answer equals ar's
     assert all(rows[m]["identical"] == rows[m]["answers"] == 2 for m in ("chain", "eagle1", "eagle2"))
     assert rows["eagle2"]["tau"] > 1.0 and rows["chain"]["tau"] > 1.0  # even a briefly trained head drafts
-    for name in ("report.md", "acceptance_by_position.png", "tau_histogram.png", "calibration.png", "speedup.png"):
+    for name in (
+        "report.md",
+        "acceptance_by_position.png",
+        "tau_histogram.png",
+        "calibration.png",
+        "speedup.png",
+    ):
         assert (out / name).stat().st_size > 0
     row = "| tinystories | eagle2 | 2 |"
     assert capsys.readouterr().out.count(row) == 1  # the report table is printed, once

@@ -23,7 +23,10 @@ def write_prompts(path, n: int = 50, turns: int = 1) -> list[str]:
         r = json.loads(line)
         conv = [{"from": "human", "value": r["prompt"]}]
         if turns == 2:
-            conv += [{"from": "gpt", "value": "(original reply, replaced)"}, {"from": "human", "value": "Then the sun came out."}]
+            conv += [
+                {"from": "gpt", "value": "(original reply, replaced)"},
+                {"from": "human", "value": "Then the sun came out."},
+            ]
         records.append({"id": f"story_{r['id']}", "conversations": conv})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return [r["id"] for r in records]
@@ -38,8 +41,10 @@ def make_cfg(target_cfg, prompts, out, **kw) -> RegenerateConfig:
 def test_shipped_config_composes():
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = to_schema(compose("regenerate", overrides=["turns=all", "temperature=0.7"]), RegenerateConfig)
-        prompts = to_schema(compose("regenerate", overrides=["data=sharegpt_prompts", "data.limit=5", "data.max_len=300"]),
-                            RegenerateConfig)
+        prompts = to_schema(
+            compose("regenerate", overrides=["data=sharegpt_prompts", "data.limit=5", "data.max_len=300"]),
+            RegenerateConfig,
+        )
     assert cfg.target.name == "stories260k" and cfg.turns == "all" and cfg.out.endswith("_regenerated.jsonl")
     assert prompts.data.name == "sharegpt_prompts" and prompts.data.limit == 5 and prompts.data.max_len == 300
 
@@ -71,15 +76,19 @@ def test_interrupted_and_resumed_equals_uninterrupted(target_cfg, tmp_path, monk
     assert resumed["already_done"] == 24 and resumed["written"] == 26
     assert (tmp_path / "b.jsonl").read_text() == reference
     assert not list(tmp_path.glob("b.jsonl.part*"))
-    again = regen.run(make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "b.jsonl"))  # nothing left to do
+    again = regen.run(
+        make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "b.jsonl")
+    )  # nothing left to do
     assert again["written"] == 0 and (tmp_path / "b.jsonl").read_text() == reference
 
 
 def test_batched_greedy_equals_one_at_a_time(target, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 8)
     renderer = ChatRenderer(target.tokenizer, target.cfg)
-    prompts = [renderer.render_prompt([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}])
-               for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    prompts = [
+        renderer.render_prompt([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}])
+        for line in (tmp_path / "p.jsonl").read_text().splitlines()
+    ]
     assert len({len(p) for p in prompts}) > 3  # different lengths: real left padding
     batched = regen.generate_batch(target, prompts, 40)
     single = [regen.generate_batch(target, [p], 40)[0] for p in prompts]
@@ -89,10 +98,18 @@ def test_batched_greedy_equals_one_at_a_time(target, tmp_path):
 def test_too_long_prompts_are_skipped_and_counted(target, target_cfg, tmp_path):
     ids = write_prompts(tmp_path / "p.jsonl", 12)
     renderer = ChatRenderer(target.tokenizer, target.cfg)
-    lengths = {i: len(renderer.render_prompt([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}]))
-               for i, line in zip(ids, (tmp_path / "p.jsonl").read_text().splitlines(), strict=True)}
+    lengths = {
+        i: len(
+            renderer.render_prompt(
+                [{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}]
+            )
+        )
+        for i, line in zip(ids, (tmp_path / "p.jsonl").read_text().splitlines(), strict=True)
+    }
     limit = sorted(lengths.values())[6] + 8  # room for 8 new tokens after the 7 shortest prompts (ties: more)
-    stats = regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", max_new_tokens=8, data_max_len=limit))
+    stats = regen.run(
+        make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", max_new_tokens=8, data_max_len=limit)
+    )
     fits = [i for i in ids if lengths[i] + 8 <= limit]
     assert stats["too_long"] == 12 - len(fits) > 0
     assert [json.loads(line)["id"] for line in (tmp_path / "o.jsonl").read_text().splitlines()] == fits
@@ -100,15 +117,19 @@ def test_too_long_prompts_are_skipped_and_counted(target, target_cfg, tmp_path):
 
 def test_every_turn_with_own_replies_in_context(target, target_cfg, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 3, turns=2)
-    regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", turns="all", max_new_tokens=12))
+    regen.run(
+        make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", turns="all", max_new_tokens=12)
+    )
     record = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
     roles = [t["from"] for t in record["conversations"]]
     assert roles == ["human", "gpt", "human", "gpt"] and len(record["finish_reasons"]) == 2
     first_reply = record["conversations"][1]["value"]
     assert first_reply != "(original reply, replaced)"
-    messages = [{"role": "user", "content": record["conversations"][0]["value"]},
-                {"role": "assistant", "content": first_reply},
-                {"role": "user", "content": "Then the sun came out."}]
+    messages = [
+        {"role": "user", "content": record["conversations"][0]["value"]},
+        {"role": "assistant", "content": first_reply},
+        {"role": "user", "content": "Then the sun came out."},
+    ]
     prompt = ChatRenderer(target.tokenizer, target.cfg).render_prompt(messages)
     reply, _ = regen.generate_batch(target, [prompt], 12)[0]
     assert record["conversations"][3]["value"] == target.tokenizer.decode(reply, skip_special_tokens=True)
@@ -118,7 +139,16 @@ def test_sampling_is_seeded(target_cfg, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 4)
     outs = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / f"{name}.jsonl", temperature=1.0, top_p=0.9, seed=seed))
+        regen.run(
+            make_cfg(
+                target_cfg,
+                tmp_path / "p.jsonl",
+                tmp_path / f"{name}.jsonl",
+                temperature=1.0,
+                top_p=0.9,
+                seed=seed,
+            )
+        )
         outs.append((tmp_path / f"{name}.jsonl").read_text())
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
@@ -142,17 +172,46 @@ def test_two_processes_with_accelerate_equal_one(target_cfg, tmp_path):
     import sys
 
     write_prompts(tmp_path / "p.jsonl", 12)
-    args = [f"data.path={tmp_path / 'p.jsonl'}", "data.build=null", "batch_size=4", "max_new_tokens=16",
-            "num_threads=1", "progress=false"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "eagle_train.regenerate"]
+    args = [
+        f"data.path={tmp_path / 'p.jsonl'}",
+        "data.build=null",
+        "batch_size=4",
+        "max_new_tokens=16",
+        "num_threads=1",
+        "progress=false",
+    ]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "eagle_train.regenerate",
+    ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([*launch, *args, f"out={tmp_path / 'two.jsonl'}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*launch, *args, f"out={tmp_path / 'two.jsonl'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     stats = json.loads((tmp_path / "two.jsonl.stats.json").read_text())
     assert stats["processes"] == 2 and stats["records"] == 12
-    regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "one.jsonl", batch_size=4, max_new_tokens=16))
+    regen.run(
+        make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "one.jsonl", batch_size=4, max_new_tokens=16)
+    )
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["p.jsonl", "one.jsonl", "one.jsonl.stats.json", "two.jsonl", "two.jsonl.stats.json"])
+        ["p.jsonl", "one.jsonl", "one.jsonl.stats.json", "two.jsonl", "two.jsonl.stats.json"]
+    )

@@ -11,9 +11,18 @@ from eagle_train.report import acceptance_by_position, calibration, summarize, w
 
 def record(method, qid, accept_lengths, wall_s, identical=None, depth=3, confidence=(), bench="tiny"):
     new_tokens = sum(accept_lengths)
-    return {"bench": bench, "method": method, "question_id": qid, "turn": 0, "new_tokens": new_tokens,
-            "wall_s": wall_s, "accept_lengths": list(accept_lengths), "draft_depths": [depth] * len(accept_lengths),
-            "confidence": [list(c) for c in confidence], "identical": identical}
+    return {
+        "bench": bench,
+        "method": method,
+        "question_id": qid,
+        "turn": 0,
+        "new_tokens": new_tokens,
+        "wall_s": wall_s,
+        "accept_lengths": list(accept_lengths),
+        "draft_depths": [depth] * len(accept_lengths),
+        "confidence": [list(c) for c in confidence],
+        "identical": identical,
+    }
 
 
 @pytest.fixture
@@ -49,7 +58,9 @@ def test_calibration_bins(records):
 
 
 def test_write_report_files(records, tmp_path):
-    report = write_report(records, tmp_path, meta={"target": "stories260k", "temperature": 0.0}, min_rounds=10)
+    report = write_report(
+        records, tmp_path, meta={"target": "stories260k", "temperature": 0.0}, min_rounds=10
+    )
     assert (tmp_path / "report.json").is_file() and (tmp_path / "report.md").is_file()
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["results"] == json.loads(json.dumps(report["results"]))

@@ -26,7 +26,13 @@ from eagle_train.store import (
 HIDDEN = 8
 IDENTITY = {
     "schema_version": 1,
-    "target": {"name": "toy", "source": "/models/toy", "config_hash": "abc", "hidden_size": HIDDEN, "vocab_size": 512},
+    "target": {
+        "name": "toy",
+        "source": "/models/toy",
+        "config_hash": "abc",
+        "hidden_size": HIDDEN,
+        "vocab_size": 512,
+    },
     "dtype": "float32",
     "template": "plain",
     "max_len": 64,

@@ -24,7 +24,6 @@ from eagle_train.training.optim import lr_at
 STORIES260K = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
-
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("conv") / "tinystories.jsonl"
@@ -45,10 +44,20 @@ def store(conversations, target_cfg, tmp_path_factory) -> Path:
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
     """The real composed config: conf/train.yaml + the CPU preset + test overrides."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            "+recipe=stories260k_cpu", f"features={store}", f"out_dir={out_dir}", "progress=false",
-            "data.eval_fraction=0.1", "max_tokens=1024", "max_batch_size=4", "eval_max_samples=8", *overrides,
-        ])
+        cfg = compose(
+            "train",
+            overrides=[
+                "+recipe=stories260k_cpu",
+                f"features={store}",
+                f"out_dir={out_dir}",
+                "progress=false",
+                "data.eval_fraction=0.1",
+                "max_tokens=1024",
+                "max_batch_size=4",
+                "eval_max_samples=8",
+                *overrides,
+            ],
+        )
     return to_schema(cfg, TrainConfig)
 
 
@@ -92,8 +101,16 @@ def test_batch_plans_cover_the_split_once_and_respect_the_budget():
 
 def test_collate_pads_right_and_masks_padding():
     samples = [
-        {"input_ids": torch.tensor([1, 2, 3, 4]), "loss_mask": torch.tensor([0, 1, 1, 1]).bool(), "hidden": torch.ones(4, 2)},
-        {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1]).bool(), "hidden": torch.ones(3, 2)},
+        {
+            "input_ids": torch.tensor([1, 2, 3, 4]),
+            "loss_mask": torch.tensor([0, 1, 1, 1]).bool(),
+            "hidden": torch.ones(4, 2),
+        },
+        {
+            "input_ids": torch.tensor([5, 6, 7]),
+            "loss_mask": torch.tensor([0, 1, 1]).bool(),
+            "hidden": torch.ones(3, 2),
+        },
     ]
     batch = collate(samples)
     assert batch["input_ids"].tolist() == [[2, 3, 4], [6, 7, 0]]
@@ -108,8 +125,18 @@ def test_collate_pads_right_and_masks_padding():
 @pytest.mark.slow
 def test_loss_falls_and_checkpoints_are_written(store, tmp_path):
     out = tmp_path / "run"
-    final = run(make_cfg(store, out, "max_steps=60", "optim.warmup_steps=5", "log_every=10", "eval_every=20",
-                              "save_every=30", "keep_last=1"))
+    final = run(
+        make_cfg(
+            store,
+            out,
+            "max_steps=60",
+            "optim.warmup_steps=5",
+            "log_every=10",
+            "eval_every=20",
+            "save_every=30",
+            "keep_last=1",
+        )
+    )
     train_lines = [m for m in read_metrics(out) if "loss" in m]
     assert train_lines[-1]["loss"] < 0.85 * train_lines[0]["loss"]
     evals = [m for m in read_metrics(out) if "eval/loss" in m]
@@ -172,14 +199,25 @@ def test_a_store_extracted_from_a_real_other_model_is_refused(conversations, tmp
     from eagle_train.extract import run as extract
 
     model_dir = tmp_path / "tiny_qwen2"
-    config = Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(STORIES260K / name, model_dir / name)
     other = TargetConfig(name="tiny_qwen2", path=str(model_dir), chat_template="plain")
     data = DataConfig(name="tinystories", path=str(conversations), limit=8)
-    extract(ExtractConfig(target=other, data=data, out_dir=str(tmp_path / "store"), dtype="float32", progress=False))
+    extract(
+        ExtractConfig(
+            target=other, data=data, out_dir=str(tmp_path / "store"), dtype="float32", progress=False
+        )
+    )
     with pytest.raises(StoreMismatchError, match="target.hidden_size: expected 64, found 32") as err:
         run(make_cfg(tmp_path / "store", tmp_path / "run", "max_steps=1"))
     assert "target.config_hash" in str(err.value)

@@ -38,7 +38,11 @@ def store(target_cfg, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dist")
     build_tinystories_conversations(out_path=root / "conv.jsonl", limit=48)
     data = DataConfig(name="tinystories", path=str(root / "conv.jsonl"))
-    extract(ExtractConfig(target=target_cfg, data=data, out_dir=str(root / "store"), dtype="float32", progress=False))
+    extract(
+        ExtractConfig(
+            target=target_cfg, data=data, out_dir=str(root / "store"), dtype="float32", progress=False
+        )
+    )
     return root / "store"
 
 
@@ -48,9 +52,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-ARGS = ("+recipe=stories260k_cpu", "progress=false", "max_steps=4", "log_every=1", "eval_every=0",
-        "save_every=2", "max_tokens=512", "max_batch_size=4", "eval_max_samples=4", "optim.warmup_steps=1",
-        "data.eval_fraction=0.1")
+ARGS = (
+    "+recipe=stories260k_cpu",
+    "progress=false",
+    "max_steps=4",
+    "log_every=1",
+    "eval_every=0",
+    "save_every=2",
+    "max_tokens=512",
+    "max_batch_size=4",
+    "eval_max_samples=4",
+    "optim.warmup_steps=1",
+    "data.eval_fraction=0.1",
+)
 
 
 def read_losses(out: Path) -> list[dict]:
@@ -61,8 +75,14 @@ def launch(launcher: list[str], store: Path, out: Path, env: dict | None = None)
     """`accelerate launch ... train.py` with the shared overrides; returns the per-step metric lines."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
     args = [*ARGS, f"features={store}", f"out_dir={out}"]
-    done = subprocess.run([*launcher, str(REPO / "train.py"), *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*launcher, str(REPO / "train.py"), *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return read_losses(out)
 
@@ -109,6 +129,8 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(store, sing
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     state = tmp_path / "ds" / "checkpoints" / "step_0000004" / "training_state"
     assert sorted(p.name for p in (state / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     wa, wb = weights(tmp_path / "ds"), weights(single)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5

@@ -17,7 +17,9 @@ SPECULATIVE = ("chain", "eagle1", "eagle2")
 class DecodeConfig:
     """One decoding setup for `eagle_train.spec.decoder.SpeculativeDecoder` (batch size 1)."""
 
-    method: str = "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
+    method: str = (
+        "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
+    )
     chain_length: int = 4  # chain: draft tokens per round
     tree: str = "mc_sim_7b_63"  # eagle1: name of a conf/tree/<name>.yaml file
     tree_paths: Any = None  # eagle1: explicit list of rank paths (overrides `tree`)
@@ -69,7 +71,9 @@ def load_tree_paths(name: str) -> list[list[int]]:
         path = Path(name)
     if not path.is_file():
         shipped = sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml"))
-        raise FileNotFoundError(f"tree {name!r}: no conf/tree/{name}.yaml (shipped: {shipped}) and no such file")
+        raise FileNotFoundError(
+            f"tree {name!r}: no conf/tree/{name}.yaml (shipped: {shipped}) and no such file"
+        )
     data = OmegaConf.to_container(OmegaConf.load(path))
     paths = data.get("paths") if isinstance(data, dict) else None
     if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):

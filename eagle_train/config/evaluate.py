@@ -18,10 +18,14 @@ class EvaluateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     draft: DraftConfig = field(default_factory=DraftConfig)  # draft.path: the head to evaluate (any layout)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)  # shared decode settings (method is set per run)
+    decode: DecodeConfig = field(
+        default_factory=DecodeConfig
+    )  # shared decode settings (method is set per run)
     # benchmark names (mt_bench humaneval gsm8k alpaca sum qa tinystories) or JSONL paths; one name or a list
     bench: Any = "mt_bench"
-    methods: list[str] = field(default_factory=lambda: ["ar", "chain", "eagle1", "eagle2"])  # ar is the baseline
+    methods: list[str] = field(
+        default_factory=lambda: ["ar", "chain", "eagle1", "eagle2"]
+    )  # ar is the baseline
     num_questions: int | None = None  # first N questions per benchmark (null = all)
     max_turns: int | None = None  # first N turns per question (null = all; mt_bench has 2)
     out_dir: str = "outputs/eval/${target.name}"  # answers.jsonl, report.json, report.md, *.png
@@ -64,7 +68,9 @@ class EvaluateConfig:
             raise ValueError("engine=vllm compares greedy decoding: set decode.temperature=0")
         if self.engine != "builtin" and not self.draft.path:
             raise ValueError("engine=vllm runs a head: set draft.path=DIR")
-        if self.engine != "builtin":  # the engines are compared on chain (vLLM drafts one) against plain decoding
+        if (
+            self.engine != "builtin"
+        ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
         if self.warmup < 0 or self.min_rounds < 0:
             raise ValueError("warmup and min_rounds must be >= 0")

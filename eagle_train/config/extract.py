@@ -19,12 +19,16 @@ class ExtractConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     data: DataConfig = field(default_factory=DataConfig)  # the ShareGPT conversations to extract
-    out_dir: str = "outputs/features"  # the store directory (conf/extract.yaml: outputs/features/<target>/<data>)
+    out_dir: str = (
+        "outputs/features"  # the store directory (conf/extract.yaml: outputs/features/<target>/<data>)
+    )
     dtype: str = "bfloat16"  # stored hidden-state dtype: bfloat16 | float16 | float32
     max_tokens: int = 16384  # token budget of one target forward (batch size x padded length)
     max_batch_size: int = 64  # most conversations in one target forward
     shard_samples: int | None = None  # most conversations per shard (null = no limit)
-    shard_bytes: int = 512 * 2**20  # most bytes of hidden states per shard (a shard holds at least one sample)
+    shard_bytes: int = (
+        512 * 2**20
+    )  # most bytes of hidden states per shard (a shard holds at least one sample)
     overwrite: bool = False  # replace an existing store made with a different config
     progress: bool = True  # tqdm progress bar on the main process
 
@@ -32,7 +36,9 @@ class ExtractConfig:
         if self.dtype not in HIDDEN_DTYPES:
             raise ValueError(f"dtype must be one of {HIDDEN_DTYPES}, got {self.dtype!r}")
         if self.max_tokens < 1 or self.max_batch_size < 1:
-            raise ValueError(f"max_tokens and max_batch_size must be >= 1, got {self.max_tokens}, {self.max_batch_size}")
+            raise ValueError(
+                f"max_tokens and max_batch_size must be >= 1, got {self.max_tokens}, {self.max_batch_size}"
+            )
         if self.shard_samples is not None and self.shard_samples < 1:
             raise ValueError(f"shard_samples must be >= 1 or null, got {self.shard_samples}")
         if self.shard_bytes < 1:

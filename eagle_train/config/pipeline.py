@@ -13,7 +13,9 @@ class StageSpec:
     """One stage: the command that runs it and the files that exist once it has finished."""
 
     module: str = ""  # python module run as `python -m MODULE` (empty: `launcher` is the whole command)
-    launcher: list[str] = field(default_factory=list)  # command prefix instead, e.g. [accelerate, launch, train.py]
+    launcher: list[str] = field(
+        default_factory=list
+    )  # command prefix instead, e.g. [accelerate, launch, train.py]
     args: list[str] = field(default_factory=list)  # Hydra overrides / CLI arguments of the stage
     outputs: list[str] = field(default_factory=list)  # files present when the stage is done (resume check)
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables, e.g. OMP_NUM_THREADS
@@ -32,7 +34,9 @@ class PipelineConfig:
 
     name: str = "experiment"  # the preset's name (printed, stored in the run directory)
     run_dir: str = "runs/${name}"  # every stage writes under this directory
-    vars: dict[str, Any] = field(default_factory=dict)  # the preset's own settings, used as ${vars.NAME} in args
+    vars: dict[str, Any] = field(
+        default_factory=dict
+    )  # the preset's own settings, used as ${vars.NAME} in args
     stages: dict[str, StageSpec] = field(default_factory=dict)  # stage name (one of STAGE_ORDER) -> spec
     overrides: dict[str, list[str]] = field(default_factory=dict)  # extra args appended per stage
     force: list[str] = field(default_factory=list)  # stages to rerun even when their outputs exist
@@ -45,4 +49,6 @@ class PipelineConfig:
             raise ValueError(f"unknown pipeline stages {unknown}; known: {list(STAGE_ORDER)}")
         for name in (*self.overrides, *self.force):
             if name not in self.stages:
-                raise ValueError(f"overrides/force name the stage {name!r}, which this experiment does not have")
+                raise ValueError(
+                    f"overrides/force name the stage {name!r}, which this experiment does not have"
+                )

@@ -32,7 +32,9 @@ class RegenerateConfig:
         if self.turns not in TURN_MODES:
             raise ValueError(f"turns must be one of {TURN_MODES}, got {self.turns!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {self.batch_size}, {self.max_new_tokens}")
+            raise ValueError(
+                f"batch_size and max_new_tokens must be >= 1, got {self.batch_size}, {self.max_new_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -24,7 +24,9 @@ EVAL_ENGINES = ("none", "vllm")
 class TrainDataConfig(DataConfig):
     """The conversations (online mode) or just the held-out share (offline mode: the store's ids)."""
 
-    source: str = "offline"  # offline: features from the store at `features` | online: the target runs in training
+    source: str = (
+        "offline"  # offline: features from the store at `features` | online: the target runs in training
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,7 +63,9 @@ class LossConfig:
 
     w_v: float = 1.0  # weight of the feature regression (SmoothL1)
     w_p: float = 0.1  # weight of the token cross entropy
-    soft: bool = True  # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
+    soft: bool = (
+        True  # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
+    )
     noise: str = "uniform"  # uniform U(-scale, scale) | length_scaled (reference code) | none
     noise_scale: float = 0.1  # noise amplitude
 
@@ -90,7 +94,9 @@ class TrainConfig:
     max_batch_size: int | None = 4  # most sequences per micro-batch (reference: 4 per GPU)
     bucket: bool = True  # length-bucketed micro-batches (False: shuffled, cut in order)
     grad_accum: int = 1  # micro-batches per process per optimizer step
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
+    mixed_precision: str = (
+        "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
+    )
     log_every: int = 10  # optimizer steps between metric lines
     eval_every: int = 500  # optimizer steps between held-out evaluations (0 = only at the end)
     eval_max_samples: int | None = 256  # held-out sequences evaluated (null = all)
@@ -113,7 +119,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.data.source == "offline" and not self.features:
-            raise ValueError("offline training needs `features=DIR` (a store from `python -m eagle_train.extract`)")
+            raise ValueError(
+                "offline training needs `features=DIR` (a store from `python -m eagle_train.extract`)"
+            )
         if self.resume not in ("auto", "never"):
             raise ValueError(f"resume must be auto or never, got {self.resume!r}")
         if self.mixed_precision not in PRECISIONS:
@@ -123,6 +131,8 @@ class TrainConfig:
         if self.eval_engine not in EVAL_ENGINES:
             raise ValueError(f"eval_engine must be one of {EVAL_ENGINES}, got {self.eval_engine!r}")
         if self.eval_engine_every < 0 or self.eval_engine_prompts < 1 or self.eval_engine_max_new_tokens < 1:
-            raise ValueError("eval_engine_every must be >= 0, eval_engine_prompts and eval_engine_max_new_tokens >= 1")
+            raise ValueError(
+                "eval_engine_every must be >= 0, eval_engine_prompts and eval_engine_max_new_tokens >= 1"
+            )
         if self.grad_accum < 1 or self.max_tokens < 1 or self.eval_depth < 1 or self.keep_last < 1:
             raise ValueError("grad_accum, max_tokens, eval_depth and keep_last must be >= 1")

@@ -18,7 +18,10 @@ from eagle_train.config.base import REPO_ROOT
 
 SHARED_DATA = (REPO_ROOT / ".." / "shared" / "data").resolve()
 BENCH_FILES = {
-    **{name: SHARED_DATA / "bench" / name / "question.jsonl" for name in ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")},
+    **{
+        name: SHARED_DATA / "bench" / name / "question.jsonl"
+        for name in ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+    },
     "tinystories": SHARED_DATA / "tinystories" / "tinystories_prompts.jsonl",
 }
 PROMPT_KEYS = ("prompt", "question", "instruction", "text")
@@ -44,7 +47,9 @@ def bench_path(bench: str) -> Path:
         path = REPO_ROOT / path
     if not path.is_file():
         known = ", ".join(sorted(BENCH_FILES))
-        raise FileNotFoundError(f"benchmark {bench!r}: neither a known name ({known}) nor an existing JSONL file")
+        raise FileNotFoundError(
+            f"benchmark {bench!r}: neither a known name ({known}) nor an existing JSONL file"
+        )
     return path
 
 
@@ -62,7 +67,11 @@ def parse_question(record: object, where: str, line_no: int) -> Question:
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "turns" in record:
         turns = record["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        if (
+            not isinstance(turns, list)
+            or not turns
+            or not all(isinstance(t, str) and t.strip() for t in turns)
+        ):
             raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
     else:
         key = next((k for k in PROMPT_KEYS if k in record), None)
@@ -78,7 +87,9 @@ def parse_question(record: object, where: str, line_no: int) -> Question:
     return Question(question_id, list(turns), str(record.get("category", "") or ""), meta)
 
 
-def load_questions(bench: str, num_questions: int | None = None, max_turns: int | None = None) -> list[Question]:
+def load_questions(
+    bench: str, num_questions: int | None = None, max_turns: int | None = None
+) -> list[Question]:
     """The questions of a benchmark (name or JSONL path), the first `num_questions` of them (None = all),
     each cut to its first `max_turns` turns (None = all). Errors name the file, the line and the reason."""
     path = bench_path(bench)

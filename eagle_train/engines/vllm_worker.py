@@ -52,12 +52,24 @@ def run_one(request: dict, run: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
-    llm = LLM(model=request["model"], speculative_config=run.get("speculative_config"), dtype=request["dtype"],
-              max_model_len=request["max_model_len"], seed=request["seed"], enforce_eager=True,
-              disable_log_stats=False, max_num_seqs=1, max_num_batched_tokens=request["max_model_len"])
+    llm = LLM(
+        model=request["model"],
+        speculative_config=run.get("speculative_config"),
+        dtype=request["dtype"],
+        max_model_len=request["max_model_len"],
+        seed=request["seed"],
+        enforce_eager=True,
+        disable_log_stats=False,
+        max_num_seqs=1,
+        max_num_batched_tokens=request["max_model_len"],
+    )
     load_s = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
-                            stop_token_ids=request["stop_token_ids"], detokenize=False)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=request["max_tokens"],
+        stop_token_ids=request["stop_token_ids"],
+        detokenize=False,
+    )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     for prompt in prompts[: request.get("warmup", 0)]:  # untimed, uncounted
         llm.generate([prompt], params, use_tqdm=False)
@@ -66,7 +78,9 @@ def run_one(request: dict, run: dict) -> dict:
         start = time.perf_counter()
         result = llm.generate([prompt], params, use_tqdm=False)[0]
         wall = time.perf_counter() - start
-        outputs.append({"tokens": list(result.outputs[0].token_ids), "wall_s": wall, "spec_total": spec_counters(llm)})
+        outputs.append(
+            {"tokens": list(result.outputs[0].token_ids), "wall_s": wall, "spec_total": spec_counters(llm)}
+        )
     del llm
     gc.collect()
     return {"name": run["name"], "load_s": load_s, "spec_start": spec_start, "outputs": outputs}

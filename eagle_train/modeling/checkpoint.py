@@ -92,5 +92,7 @@ def load_head(path: str | Path, device: torch.device | str = "cpu") -> tuple[Dra
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith(("fc.", "layers."))]
     if missing or unexpected:
-        raise ValueError(f"draft checkpoint {weights_file}: missing keys {missing}, unexpected keys {unexpected}")
+        raise ValueError(
+            f"draft checkpoint {weights_file}: missing keys {missing}, unexpected keys {unexpected}"
+        )
     return head.to(device), meta

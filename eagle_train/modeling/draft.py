@@ -24,9 +24,23 @@ from transformers.models.llama.modeling_llama import (
 
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
-    "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
 )
 
 
@@ -34,7 +48,9 @@ class KVCache(Protocol):
     """What the draft's attention needs from a cache: append this step's keys/values for one layer
     and return the layer's keys/values so far ([batch, kv_heads, seq, head_dim])."""
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def draft_llama_config(target_config: PretrainedConfig, num_layers: int = 1) -> LlamaConfig:
@@ -129,7 +145,9 @@ class DraftHead(nn.Module):
         self.lm_head.requires_grad_(False)
 
     @classmethod
-    def from_target(cls, target_config: PretrainedConfig, num_layers: int = 1, fc_bias: bool = True) -> DraftHead:
+    def from_target(
+        cls, target_config: PretrainedConfig, num_layers: int = 1, fc_bias: bool = True
+    ) -> DraftHead:
         return cls(draft_llama_config(target_config, num_layers), fc_bias=fc_bias)
 
     @torch.no_grad()

@@ -46,9 +46,22 @@ ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle", 
 EAGLE3_KEYS = re.compile(r"^(model\.)?(midlayer\.|d2t$|t2d$)")
 # Llama config fields a head's config.json carries (the rest of a target's config is noise here).
 CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "attention_bias",
+    "mlp_bias",
 )
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -63,7 +76,11 @@ def rope_fields(config: LlamaConfig) -> dict[str, Any]:
     theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     scaling = None if rope_type == "default" else {**params, "rope_type": rope_type, "type": rope_type}
-    return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": {"rope_theta": theta, **params, "rope_type": rope_type}}
+    return {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_theta": theta, **params, "rope_type": rope_type},
+    }
 
 
 def llama_config_dict(head: DraftHead, dtype: torch.dtype) -> dict[str, Any]:
@@ -72,8 +89,12 @@ def llama_config_dict(head: DraftHead, dtype: torch.dtype) -> dict[str, Any]:
     config = {k: src[k] for k in CONFIG_FIELDS if k in src}
     config.update(rope_fields(head.config))
     config.update(
-        model_type="llama", num_hidden_layers=len(head.layers), tie_word_embeddings=False, use_cache=True,
-        torch_dtype=TORCH_DTYPE_NAMES[dtype], dtype=TORCH_DTYPE_NAMES[dtype],
+        model_type="llama",
+        num_hidden_layers=len(head.layers),
+        tie_word_embeddings=False,
+        use_cache=True,
+        torch_dtype=TORCH_DTYPE_NAMES[dtype],
+        dtype=TORCH_DTYPE_NAMES[dtype],
     )
     return config
 
@@ -112,24 +133,35 @@ def check_reference_representable(head: DraftHead, config: dict[str, Any]) -> No
             f"{scaling['type']!r}; export with format=vllm or format=sglang instead"
         )
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError("format=eagle: the EAGLE reference's layer has no o_proj/MLP biases; use format=sglang")
+        raise ValueError(
+            "format=eagle: the EAGLE reference's layer has no o_proj/MLP biases; use format=sglang"
+        )
     if head.config.head_dim * head.config.num_attention_heads != head.config.hidden_size:
-        raise ValueError("format=eagle: the EAGLE reference needs head_dim * num_attention_heads == hidden_size")
+        raise ValueError(
+            "format=eagle: the EAGLE reference needs head_dim * num_attention_heads == hidden_size"
+        )
 
 
 def check_sglang_representable(config: dict[str, Any]) -> None:
     """SGLang's Llama layer has an MLP without biases (a bias in the file is skipped silently) and only SiLU."""
     if config.get("mlp_bias"):
-        raise ValueError("format=sglang: SGLang's LlamaMLP has no biases and would skip them silently; use format=vllm")
+        raise ValueError(
+            "format=sglang: SGLang's LlamaMLP has no biases and would skip them silently; use format=vllm"
+        )
     if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"format=sglang: SGLang's LlamaMLP supports silu only, this head uses {config['hidden_act']!r}")
+        raise ValueError(
+            f"format=sglang: SGLang's LlamaMLP supports silu only, this head uses {config['hidden_act']!r}"
+        )
 
 
 def reference_config(config: dict[str, Any], fc_bias: bool) -> dict[str, Any]:
     """The reference's config.json: Llama keys, `bias` for fc, rope_scaling as {type, factor}."""
     out = {k: v for k, v in config.items() if k != "rope_parameters"}
     if out["rope_scaling"] is not None:
-        out["rope_scaling"] = {"type": out["rope_scaling"]["type"], "factor": float(out["rope_scaling"]["factor"])}
+        out["rope_scaling"] = {
+            "type": out["rope_scaling"]["type"],
+            "factor": float(out["rope_scaling"]["factor"]),
+        }
     out.update(bias=fc_bias, pretraining_tp=1)
     return out
 
@@ -167,11 +199,15 @@ def export_head(
     if fmt == "sglang":
         check_sglang_representable(config)
     if fmt == "sglang" and not fc_bias:
-        state["fc.bias"] = torch.zeros(head.fc.out_features)  # SGLang's fc always has one: never leave it unset
+        state["fc.bias"] = torch.zeros(
+            head.fc.out_features
+        )  # SGLang's fc always has one: never leave it unset
     if fmt == "eagle":
         check_reference_representable(head, config)
         if embed_tokens is None:
-            raise ValueError("format=eagle: the reference loads embed_tokens.weight strictly; pass the target's embedding")
+            raise ValueError(
+                "format=eagle: the reference loads embed_tokens.weight strictly; pass the target's embedding"
+            )
         config = reference_config(config, fc_bias)
     if embed_tokens is not None:
         if embed_tokens.shape != (config["vocab_size"], config["hidden_size"]):
@@ -235,7 +271,9 @@ def head_state(raw: dict[str, torch.Tensor], file: Path, arch: list[str]) -> dic
     """fc.* and layers.* (a `model.` prefix stripped); embed_tokens/lm_head dropped (the target's are
     used); an EAGLE-3 head refused."""
     if any(EAGLE3_KEYS.match(k) for k in raw) or any("Eagle3" in a for a in arch):
-        raise ValueError(f"{file}: this is an EAGLE-3 head (midlayer/d2t/t2d keys); only EAGLE-1/2 heads are supported yet")
+        raise ValueError(
+            f"{file}: this is an EAGLE-3 head (midlayer/d2t/t2d keys); only EAGLE-1/2 heads are supported yet"
+        )
     state = {}
     for key, value in raw.items():
         key = key.removeprefix("model.")
@@ -269,7 +307,11 @@ def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> LlamaCon
 def check_matches_target(config: LlamaConfig, state: dict[str, torch.Tensor], target, file: Path) -> None:
     """A head for another target: a clear error instead of a shape error deep in a forward."""
     d = int(state["fc.weight"].shape[0])
-    if d != target.hidden_size or config.hidden_size != target.hidden_size or state["fc.weight"].shape[1] != 2 * d:
+    if (
+        d != target.hidden_size
+        or config.hidden_size != target.hidden_size
+        or state["fc.weight"].shape[1] != 2 * d
+    ):
         raise ValueError(
             f"{file}: head hidden size {d} (config {config.hidden_size}) does not match the target's "
             f"{target.hidden_size} ({target.source}): this head was trained for another model"

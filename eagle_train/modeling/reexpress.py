@@ -40,8 +40,16 @@ from eagle_train.modeling.draft import DraftHead
 ATTENTION_KEY = re.compile(r"(^|\.)self_attn\.([qkvo])_proj\.(weight|bias)$")
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
 # files of a model directory that describe the tokenizer and generation, copied as they are
-SIDE_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-              "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def rotary_slots(head_dim: int, new_head_dim: int) -> torch.Tensor:
@@ -87,8 +95,10 @@ def check_exact(config: dict[str, Any]) -> int:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in EXACT_ROPE_TYPES:
-        raise ValueError(f"RoPE type {rope_type!r} depends on head_dim itself: the re-expression would not be "
-                         f"exact (supported: {EXACT_ROPE_TYPES})")
+        raise ValueError(
+            f"RoPE type {rope_type!r} depends on head_dim itself: the re-expression would not be "
+            f"exact (supported: {EXACT_ROPE_TYPES})"
+        )
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings cannot be re-expressed with this mapping")
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
@@ -97,8 +107,11 @@ def check_exact(config: dict[str, Any]) -> int:
 def widened_config(config: dict[str, Any], new_head_dim: int) -> dict[str, Any]:
     """config.json of the re-expressed model: head_dim changed, where it came from recorded."""
     head_dim = check_exact(config)
-    return {**config, "head_dim": new_head_dim,
-            "eagle_train_reexpressed": {"head_dim": head_dim, "new_head_dim": new_head_dim}}
+    return {
+        **config,
+        "head_dim": new_head_dim,
+        "eagle_train_reexpressed": {"head_dim": head_dim, "new_head_dim": new_head_dim},
+    }
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -109,7 +122,9 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
         return {k: v for f in files for k, v in load_file(str(path / f)).items()}
     if (path / WEIGHTS_NAME).is_file():
         return load_file(str(path / WEIGHTS_NAME))
-    raise FileNotFoundError(f"{path}: no {WEIGHTS_NAME} (safetensors weights are needed to re-express a model)")
+    raise FileNotFoundError(
+        f"{path}: no {WEIGHTS_NAME} (safetensors weights are needed to re-express a model)"
+    )
 
 
 def widen_model_dir(source: str | Path, out_dir: str | Path, new_head_dim: int = 32) -> Path:
@@ -118,14 +133,18 @@ def widen_model_dir(source: str | Path, out_dir: str | Path, new_head_dim: int =
     source, out_dir = Path(source), Path(out_dir)
     config = json.loads((source / CONFIG_NAME).read_text())
     if config.get("model_type") != "llama":
-        raise ValueError(f"{source}: model_type {config.get('model_type')!r}; only Llama models are re-expressed")
+        raise ValueError(
+            f"{source}: model_type {config.get('model_type')!r}; only Llama models are re-expressed"
+        )
     head_dim = check_exact(config)
     new_config = widened_config(config, new_head_dim)
     new_config["eagle_train_reexpressed"]["source"] = str(source)
     state = widen_state(read_model_weights(source), head_dim, new_head_dim)
 
     def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"}
+        )
         (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
         for name in SIDE_FILES:
             if (source / name).is_file():
@@ -155,8 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     from eagle_train.modeling.target import target_source
 
     parser = argparse.ArgumentParser(description="Re-express a Llama exactly with a larger head_dim.")
-    parser.add_argument("paths", nargs="+", metavar="[SRC] OUT", help="source model directory (default: the "
-                        "default target) and the directory to write")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="[SRC] OUT",
+        help="source model directory (default: the default target) and the directory to write",
+    )
     parser.add_argument("--head-dim", type=int, default=32)
     args = parser.parse_args(argv)
     if len(args.paths) > 2:

@@ -102,7 +102,10 @@ class Target:
     def stop_token_ids(self) -> list[int]:
         """EOS ids of the tokenizer and generation config plus the config's extra stop ids."""
         ids: list[int] = list(self.cfg.stop_token_ids)
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
             for i in source if isinstance(source, list) else [source]:
                 if i is not None and int(i) not in ids:
                     ids.append(int(i))
@@ -118,13 +121,19 @@ class Target:
         hidden [batch, seq, hidden]) where hidden is the last hidden state after the final norm,
         i.e. logits == lm_head(hidden).
         """
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
         return self.lm_head(hidden), hidden
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Only the last hidden state [batch, seq, hidden] (cheaper: no vocabulary projection)."""
-        return self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         """A preallocated KV cache for one sequence of up to `capacity` tokens."""
@@ -153,7 +162,11 @@ class Target:
         decoder, cache_kwarg, lm_head = self._decode_modules
         kwargs = {cache_kwarg: HFCacheView(cache)}
         out = decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True, **kwargs
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            **kwargs,
         )
         hidden = out.last_hidden_state
         return lm_head(hidden), hidden
@@ -196,7 +209,9 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
 
 def load_target_config(cfg: TargetConfig):
     """The target's Hugging Face config (no weights loaded)."""
-    return AutoConfig.from_pretrained(target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    return AutoConfig.from_pretrained(
+        target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+    )
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:

@@ -141,7 +141,9 @@ class SpeculativeDecoder:
         """Target forward over the prompt; returns (first generated token, features [n, hidden])."""
         n = prompt.numel()
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        logits, hidden = self._target_forward(prompt, torch.arange(n, device=self.device), causal[None, None], stats)
+        logits, hidden = self._target_forward(
+            prompt, torch.arange(n, device=self.device), causal[None, None], stats
+        )
         self.cache.advance(n)
         return self._choose(logits[-1]), hidden
 
@@ -200,7 +202,9 @@ class SpeculativeDecoder:
         while True:
             length = self.cache.seq_len
             ids = torch.tensor([token], device=self.device)
-            logits, _ = self._target_forward(ids, ids.new_tensor([length]), self.mask[None, None, :1, : length + 1], stats)
+            logits, _ = self._target_forward(
+                ids, ids.new_tensor([length]), self.mask[None, None, :1, : length + 1], stats
+            )
             self.cache.advance(1)
             token = self._choose(logits[0])
             if out.extend([token]):
@@ -237,7 +241,9 @@ class SpeculativeDecoder:
         region = self.mask[:n, length : length + n]
         region.copy_(tree.attention_mask)
         positions = tree.depth + length
-        logits, hidden = self._target_forward(tree.tokens, positions, self.mask[None, None, :n, : length + n], stats)
+        logits, hidden = self._target_forward(
+            tree.tokens, positions, self.mask[None, None, :n, : length + n], stats
+        )
         region.fill_(True)
         if self.sampling:
             probs = process_logits(logits, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
@@ -257,20 +263,26 @@ class SpeculativeDecoder:
 
     def _generate_hf(self, prompt: torch.Tensor, out: _Output) -> None:
         cfg, model = self.cfg, self.target.model
-        kwargs = dict(do_sample=self.sampling, max_new_tokens=out.limit, eos_token_id=self.target.stop_token_ids)
+        kwargs = dict(
+            do_sample=self.sampling, max_new_tokens=out.limit, eos_token_id=self.target.stop_token_ids
+        )
         if self.sampling:
             kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k_sampling or None)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         pad = self.target.tokenizer.pad_token_id
         ids = model.generate(
-            prompt.unsqueeze(0), attention_mask=torch.ones_like(prompt).unsqueeze(0),
-            pad_token_id=pad if pad is not None else self.target.stop_token_ids[0], **kwargs,
+            prompt.unsqueeze(0),
+            attention_mask=torch.ones_like(prompt).unsqueeze(0),
+            pad_token_id=pad if pad is not None else self.target.stop_token_ids[0],
+            **kwargs,
         )
         out.extend(ids[0, prompt.numel() :].tolist())
 
 
-def _record_rounds(rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]], stats: GenerationStats) -> None:
+def _record_rounds(
+    rounds: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]], stats: GenerationStats
+) -> None:
     """Per-round and per-node statistics of a generation's rounds (node depths [n], node confidences [n]
     or None, accepted path): the tensors are read once for the whole generation, not once per round."""
     if not rounds:

@@ -33,7 +33,9 @@ class Drafter:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         # Row i: the output of tree input i (the root's draft state is `self.root`, set by `catch_up`).
-        self.hidden = torch.zeros(max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device)
+        self.hidden = torch.zeros(
+            max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device
+        )
         self.root = self.hidden[:1]
         # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
         self.lean = lean_draft.LeanDraft(head, 0) if lean and lean_draft.supports(head) else None
@@ -53,7 +55,9 @@ class Drafter:
         self.capacity = capacity
         total = capacity + self.max_tree_inputs
         layers = int(self.head.config.num_hidden_layers)
-        self.cache = StaticKVCache(layers, self.kv_heads, self.head_dim, total, dtype=self.dtype, device=self.device)
+        self.cache = StaticKVCache(
+            layers, self.kv_heads, self.head_dim, total, dtype=self.dtype, device=self.device
+        )
         self.mask = torch.ones(max(1, self.max_tree_inputs), total, dtype=torch.bool, device=self.device)
         self.mask4 = self.mask[None, None]  # [1, 1, rows, total]: the view the forward takes slices of
         self.positions = torch.arange(total + 1, device=self.device)
@@ -82,14 +86,18 @@ class Drafter:
             self.mask[:, self.committed :].fill_(True)
         m = tokens.shape[0]
         positions = slice(self.committed, self.committed + m)
-        hidden, logp = self._forward(tokens, features.to(self.dtype), positions, None, last_only=True)  # None = causal
+        hidden, logp = self._forward(
+            tokens, features.to(self.dtype), positions, None, last_only=True
+        )  # None = causal
         self.cache.advance(m)
         self.committed += m
         self.root = hidden[-1:]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
         self.fed = 0
         return logp[0]
 
-    def __call__(self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int
+    ) -> torch.Tensor:
         """The tree draft step (see `spec.expand`): inputs at `depth` below the root."""
         m, base = tokens.shape[0], self.committed
         # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)

@@ -89,7 +89,11 @@ def expand_static(
     tokens = torch.empty(n, dtype=torch.long, device=root_log_probs.device)
     tokens[0] = root_token
     confidence = torch.ones(n, device=root_log_probs.device)
-    draft_probs = None if sample_probs is None else torch.zeros(n, root_log_probs.shape[-1], device=root_log_probs.device)
+    draft_probs = (
+        None
+        if sample_probs is None
+        else torch.zeros(n, root_log_probs.shape[-1], device=root_log_probs.device)
+    )
     level_lp = root_log_probs.unsqueeze(0)  # [nodes of the previous depth, vocab]
     for d, (lo, hi) in enumerate(plan.levels, start=1):
         child_tok, child_conf, q = draw_children(level_lp, plan.width[d - 1], sample_probs, generator)
@@ -112,7 +116,9 @@ class _DynamicPlan:
     parent, F + 1 for "no parent" (the root's own)."""
 
     level_parent: list[torch.Tensor]  # per depth d: feed index of the parent of each of its k * k children
-    parent_feed: torch.Tensor  # [C + 1]: feed index of each candidate's parent (root's children: F; root: F + 1)
+    parent_feed: (
+        torch.Tensor
+    )  # [C + 1]: feed index of each candidate's parent (root's children: F; root: F + 1)
     depth: torch.Tensor  # [C + 1]: tree depth of each candidate (root: 0)
     feed_offsets: torch.Tensor  # [F + 2]: added to the picked rows to get candidate ids (see `_rerank`)
     first_rows: torch.Tensor  # [k]: the root's children are fed first: rows 0..k-1
@@ -136,17 +142,29 @@ def _dynamic_plan(depth: int, k: int, total_tokens: int, device: torch.device) -
     root = torch.full((k,), num_fed, dtype=torch.long, device=device)
     none = torch.full((1,), num_fed + 1, dtype=torch.long, device=device)
     parent_feed = torch.cat([root, *level_parent, none])
-    depth_of = torch.cat([torch.ones(k), torch.arange(2, depth + 2).repeat_interleave(kk), torch.zeros(1)]).long()
-    offsets = [0] * k + [k + (d - 1) * kk for d in range(1, depth) for _ in range(k)] + [num_cands, num_cands + 1]
+    depth_of = torch.cat(
+        [torch.ones(k), torch.arange(2, depth + 2).repeat_interleave(kk), torch.zeros(1)]
+    ).long()
+    offsets = (
+        [0] * k + [k + (d - 1) * kk for d in range(1, depth) for _ in range(k)] + [num_cands, num_cands + 1]
+    )
     node_of = torch.full((num_cands + 2,), n, dtype=torch.long, device=device)
     node_of[num_cands], node_of[num_cands + 1] = 0, -1
     mask_base = torch.eye(n, dtype=torch.bool, device=device)
     mask_base[:, 0] = True
     return _DynamicPlan(
-        level_parent, parent_feed, depth_of.to(device), torch.tensor(offsets, device=device),
-        torch.arange(k, device=device), torch.full((k,), -1, dtype=torch.long, device=device),
-        torch.zeros(2, dtype=torch.long, device=device), node_of, mask_base, torch.arange(n, device=device),
-        torch.full((1,), num_cands, dtype=torch.long, device=device), torch.zeros(1, device=device),
+        level_parent,
+        parent_feed,
+        depth_of.to(device),
+        torch.tensor(offsets, device=device),
+        torch.arange(k, device=device),
+        torch.full((k,), -1, dtype=torch.long, device=device),
+        torch.zeros(2, dtype=torch.long, device=device),
+        node_of,
+        mask_base,
+        torch.arange(n, device=device),
+        torch.full((1,), num_cands, dtype=torch.long, device=device),
+        torch.zeros(1, device=device),
     )
 
 
@@ -197,7 +215,9 @@ def expand_dynamic(
     return _rerank(plan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens)
 
 
-def _rerank(plan: _DynamicPlan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens) -> Tree:
+def _rerank(
+    plan: _DynamicPlan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens
+) -> Tree:
     """Keep the best total_tokens - 1 candidates (stable sort: ties to the earlier = shallower one) and
     build the tree, root first, in candidate order (parents before children). Per-depth lists of
     candidate values / tokens / log-probs and of the picked rows fed at each depth."""

@@ -52,12 +52,26 @@ def _layer_weights(layer, head_dim: int) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     norm = getattr(layer, "input_layernorm", None)
-    proj = torch.cat([q.weight, k.weight, v.weight, _rotate_rows(torch.cat([q.weight, k.weight]), head_dim),
-                      torch.zeros_like(v.weight)])
+    proj = torch.cat(
+        [
+            q.weight,
+            k.weight,
+            v.weight,
+            _rotate_rows(torch.cat([q.weight, k.weight]), head_dim),
+            torch.zeros_like(v.weight),
+        ]
+    )
     bias = None
     if q.bias is not None:
-        bias = torch.cat([q.bias, k.bias, v.bias, _rotate_rows(torch.cat([q.bias, k.bias]), head_dim),
-                          torch.zeros_like(v.bias)])
+        bias = torch.cat(
+            [
+                q.bias,
+                k.bias,
+                v.bias,
+                _rotate_rows(torch.cat([q.bias, k.bias]), head_dim),
+                torch.zeros_like(v.bias),
+            ]
+        )
     return _LayerWeights(
         input_norm=None if norm is None else norm.weight,
         proj=proj,
@@ -137,7 +151,11 @@ class LeanDraft:
     ) -> torch.Tensor:
         """Predicted features [m, d]; keys/values written to `cache` after its committed slots. No autograd
         context of its own (a no_grad entry costs ~2 us per call): call it under no_grad/inference_mode."""
-        x = F.linear(torch.cat([F.embedding(tokens, self.embed).to(features.dtype), features], dim=-1), self.fc, self.fc_bias)
+        x = F.linear(
+            torch.cat([F.embedding(tokens, self.embed).to(features.dtype), features], dim=-1),
+            self.fc,
+            self.fc_bias,
+        )
         cos, sin = self.cos[positions], self.sin[positions]  # [m or 1, (heads + 2 * kv_heads) * hd]
         for i, w in enumerate(self.layers):
             h = x if w.input_norm is None else self._norm(x, w.input_norm)

@@ -47,7 +47,10 @@ class GenerationStats:
         depth = max(self.tree_depth_per_round, default=0)
         rates = []
         for j in range(1, depth + 1):
-            reached = [a >= j - 1 and d >= j for a, d in zip(self.accepted_per_round, self.tree_depth_per_round, strict=False)]
+            reached = [
+                a >= j - 1 and d >= j
+                for a, d in zip(self.accepted_per_round, self.tree_depth_per_round, strict=False)
+            ]
             hits = sum(1 for a, r in zip(self.accepted_per_round, reached, strict=False) if r and a >= j)
             rates.append(hits / max(1, sum(reached)))
         return rates

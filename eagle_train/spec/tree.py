@@ -65,7 +65,9 @@ class Tree:
         paths = _ancestor_paths(self.parents.tolist())
         leaf_paths = [paths[i] for i, c in enumerate(self.children) if not c]
         width = max(len(p) for p in leaf_paths)
-        return torch.tensor([p + [-1] * (width - len(p)) for p in leaf_paths], dtype=torch.long, device=self.tokens.device)
+        return torch.tensor(
+            [p + [-1] * (width - len(p)) for p in leaf_paths], dtype=torch.long, device=self.tokens.device
+        )
 
 
 @dataclass

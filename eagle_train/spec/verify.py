@@ -19,7 +19,9 @@ import torch
 from eagle_train.spec.tree import Tree
 
 
-def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
     """Sampling distribution [..., vocab] from logits: temperature, then top-k, then top-p (nucleus).
     The same processing is applied to the target and the draft."""
     logits = logits.float() / temperature

@@ -42,8 +42,15 @@ def prune_checkpoints(out_dir: str | Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(accelerator, model, out_dir: str | Path, step: int, meta: dict[str, Any],
-                    trainer_state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(
+    accelerator,
+    model,
+    out_dir: str | Path,
+    step: int,
+    meta: dict[str, Any],
+    trainer_state: dict[str, Any],
+    keep_last: int,
+) -> Path:
     """Save the head (main process) and the full state (every process: DeepSpeed shards it)."""
     final = step_dir(out_dir, step)
     tmp = final.parent / f".{final.name}.{STATE_DIR}.tmp"

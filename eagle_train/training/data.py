@@ -30,7 +30,9 @@ class Source(Protocol):
     def __getitem__(self, i: int) -> dict[str, Any]: ...
 
 
-def split_by_id(ids: Sequence[str], lengths: Sequence[int], eval_fraction: float) -> tuple[list[int], list[int]]:
+def split_by_id(
+    ids: Sequence[str], lengths: Sequence[int], eval_fraction: float
+) -> tuple[list[int], list[int]]:
     """(train, eval) sample indices, held out by id hash as the data stage does (stable across runs,
     processes, offline and online); sequences shorter than 3 tokens carry no trainable position."""
     train, held_out = [], []
@@ -73,7 +75,9 @@ def pad_stack(tensors: Sequence[torch.Tensor], value: float | int | bool = 0) ->
     return out
 
 
-def collate(samples: Sequence[dict[str, Any]], feature_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def collate(
+    samples: Sequence[dict[str, Any]], feature_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Shift every sequence (eagle_train.loss.shift_sequence) and right-pad to one batch.
 
     Right padding needs no attention mask: a causal head never attends from a real position to a
@@ -81,9 +85,7 @@ def collate(samples: Sequence[dict[str, Any]], feature_dtype: torch.dtype = torc
     Returns input_ids [b, n], features [b, n, d], target_hidden [b, n, d], target_ids [b, n],
     loss_mask [b, n], positions [b] (real head positions per row).
     """
-    shifted = [
-        shift_sequence(s["input_ids"], s["loss_mask"], s["hidden"].to(feature_dtype)) for s in samples
-    ]
+    shifted = [shift_sequence(s["input_ids"], s["loss_mask"], s["hidden"].to(feature_dtype)) for s in samples]
     batch = {key: pad_stack([s[key] for s in shifted]) for key in shifted[0]}
     batch["positions"] = torch.tensor([s["input_ids"].shape[0] for s in shifted])
     return batch

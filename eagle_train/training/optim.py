@@ -15,7 +15,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the parameters that require grad (fc and the decoder layers; never the target's
     frozen embedding and LM head)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -25,9 +25,14 @@ def target_identity(target: Target, hf_config) -> dict[str, Any]:
 
 def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
     """The target block of a head checkpoint's meta."""
-    return {"target": {"name": target.cfg.name, "source": target.source,
-                       "config_hash": target_config_hash(hf_config.to_dict()),
-                       "architectures": list(getattr(hf_config, "architectures", None) or [])}}
+    return {
+        "target": {
+            "name": target.cfg.name,
+            "source": target.source,
+            "config_hash": target_config_hash(hf_config.to_dict()),
+            "architectures": list(getattr(hf_config, "architectures", None) or []),
+        }
+    }
 
 
 def open_store(path: Path | None, target: Target, hf_config) -> tuple[FeatureStore, dict[str, Any]]:

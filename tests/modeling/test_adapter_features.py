@@ -47,8 +47,14 @@ def test_padding_does_not_change_real_positions(target):
 def test_random_models_hidden_is_lm_head_input(tmp_path, config_cls, model_cls):
     torch.manual_seed(0)
     cfg = config_cls(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
     model_cls(cfg).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(STORIES260K).save_pretrained(tmp_path)

@@ -13,9 +13,16 @@ from eagle_train.modeling.draft import DraftHead, draft_llama_config
 
 
 def _gqa_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-                       attn_implementation="eager")
+    return LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        attn_implementation="eager",
+    )
 
 
 def test_decoder_layer_equals_llama_layer_without_input_norm():
@@ -39,8 +46,14 @@ def test_decoder_layer_equals_llama_layer_without_input_norm():
 
 
 def test_shapes_come_from_the_target_config_of_any_family():
-    qwen = Qwen2Config(vocab_size=50, hidden_size=24, intermediate_size=40, num_attention_heads=6,
-                       num_key_value_heads=2, max_position_embeddings=32)
+    qwen = Qwen2Config(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     head = DraftHead.from_target(qwen, num_layers=2)
     assert head.fc.weight.shape == (24, 48)
     assert head.layers[0].self_attn.k_proj.weight.shape == (2 * 4, 24)

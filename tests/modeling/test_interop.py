@@ -25,7 +25,9 @@ LAYER_KEYS = {
     "layers.0.mlp.down_proj.weight": (64, 172),
     "layers.0.post_attention_layernorm.weight": (64,),
 }
-ATTN_BIAS_KEYS = {f"layers.0.self_attn.{p}_proj.bias": (n,) for p, n in (("q", 64), ("k", 32), ("v", 32), ("o", 64))}
+ATTN_BIAS_KEYS = {
+    f"layers.0.self_attn.{p}_proj.bias": (n,) for p, n in (("q", 64), ("k", 32), ("v", 32), ("o", 64))
+}
 
 
 def make_head(target, fc_bias: bool = True, seed: int = 0, num_layers: int = 1) -> DraftHead:
@@ -35,7 +37,9 @@ def make_head(target, fc_bias: bool = True, seed: int = 0, num_layers: int = 1) 
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.startswith(("fc.", "layers.")):
-                p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
+                p.copy_(
+                    torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0)
+                )
     head.share_target_weights(target.embed_tokens, target.lm_head)
     return head.eval()
 
@@ -98,7 +102,9 @@ def test_vllm_folds_a_trained_fc_bias_exactly(target, tmp_path):
     assert config["attention_bias"] is True and config["eagle_train"]["fc_bias_folded"] is True
     imported = load_draft(out, target)
     assert imported.fc.bias is None
-    torch.testing.assert_close(head_outputs(imported), head_outputs(head), rtol=1e-4, atol=1e-4)  # rounding only
+    torch.testing.assert_close(
+        head_outputs(imported), head_outputs(head), rtol=1e-4, atol=1e-4
+    )  # rounding only
     # dropping the bias instead (what vLLM does to an unfolded fc.bias) really changes the outputs
     with torch.no_grad():
         imported.layers[0].self_attn.o_proj.bias.zero_()
@@ -109,7 +115,9 @@ def test_vllm_fold_with_two_layers(target, tmp_path):
     head = make_head(target, fc_bias=True, num_layers=2)
     state = load_file(str(export_head(head, "vllm", tmp_path / "v") / "model.safetensors"))
     assert "layers.1.input_layernorm.weight" in state and "layers.0.input_layernorm.weight" not in state
-    assert torch.equal(state["layers.1.self_attn.o_proj.bias"], torch.zeros(D))  # attention_bias: every layer has one
+    assert torch.equal(
+        state["layers.1.self_attn.o_proj.bias"], torch.zeros(D)
+    )  # attention_bias: every layer has one
     imported = load_draft(tmp_path / "v", target)
     assert len(imported.layers) == 2
     torch.testing.assert_close(head_outputs(imported), head_outputs(head), rtol=1e-4, atol=1e-4)
@@ -128,14 +136,21 @@ def test_eagle_reference_layout(target, tmp_path):
     out = export_head(head, "eagle", tmp_path / "e", meta=META, embed_tokens=embed, dtype=torch.float16)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "pytorch_model.bin"]
     state = torch.load(out / "pytorch_model.bin", weights_only=True)
-    assert shapes(state) == {"fc.weight": (D, 2 * D), "fc.bias": (D,), "embed_tokens.weight": (V, D), **LAYER_KEYS}
+    assert shapes(state) == {
+        "fc.weight": (D, 2 * D),
+        "fc.bias": (D,),
+        "embed_tokens.weight": (V, D),
+        **LAYER_KEYS,
+    }
     assert all(v.dtype == torch.float16 for v in state.values())
     config = json.loads((out / "config.json").read_text())
     assert config["bias"] is True and config["rope_scaling"] is None and config["rope_theta"] == 10000.0
     assert config["num_hidden_layers"] == 1 and config["torch_dtype"] == "float16"
     assert "rope_parameters" not in config
     imported = load_draft(out, target)
-    torch.testing.assert_close(head_outputs(imported), head_outputs(head), rtol=0.05, atol=0.05)  # fp16 weights
+    torch.testing.assert_close(
+        head_outputs(imported), head_outputs(head), rtol=0.05, atol=0.05
+    )  # fp16 weights
 
 
 def test_eagle_export_needs_the_embedding(target, tmp_path):
@@ -157,11 +172,26 @@ def test_project_checkpoint_round_trip(target, tmp_path):
 def reference_config_json(**extra) -> dict:
     """config.json as the reference publishes its EAGLE-1/2 heads (transformers 4 era, EConfig keys)."""
     return {
-        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-        "hidden_size": D, "initializer_range": 0.02, "intermediate_size": 172, "max_position_embeddings": 512,
-        "model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 1,
-        "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
-        "transformers_version": "4.28.1", "use_cache": True, "vocab_size": V, **extra,
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": D,
+        "initializer_range": 0.02,
+        "intermediate_size": 172,
+        "max_position_embeddings": 512,
+        "model_type": "llama",
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 1,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "transformers_version": "4.28.1",
+        "use_cache": True,
+        "vocab_size": V,
+        **extra,
     }
 
 
@@ -181,16 +211,30 @@ def test_reference_head_import(target, tmp_path, weights):
 
 
 def test_eagle3_head_is_refused(target, tmp_path):
-    save_file({"fc.weight": torch.zeros(D, 3 * D), "midlayer.self_attn.q_proj.weight": torch.zeros(D, 2 * D),
-               "d2t": torch.zeros(V, dtype=torch.long)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(reference_config_json(architectures=["LlamaForCausalLMEagle3"])))
+    save_file(
+        {
+            "fc.weight": torch.zeros(D, 3 * D),
+            "midlayer.self_attn.q_proj.weight": torch.zeros(D, 2 * D),
+            "d2t": torch.zeros(V, dtype=torch.long),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(reference_config_json(architectures=["LlamaForCausalLMEagle3"]))
+    )
     with pytest.raises(ValueError, match="EAGLE-3 head"):
         load_draft(tmp_path, target)
 
 
 def test_hidden_size_mismatch_is_refused(target, tmp_path):
-    torch.save({"fc.weight": torch.zeros(128, 256), "fc.bias": torch.zeros(128),
-                "layers.0.post_attention_layernorm.weight": torch.ones(128)}, tmp_path / "pytorch_model.bin")
+    torch.save(
+        {
+            "fc.weight": torch.zeros(128, 256),
+            "fc.bias": torch.zeros(128),
+            "layers.0.post_attention_layernorm.weight": torch.ones(128),
+        },
+        tmp_path / "pytorch_model.bin",
+    )
     (tmp_path / "config.json").write_text(json.dumps(reference_config_json(hidden_size=128)))
     with pytest.raises(ValueError, match="hidden size 128 .* does not match the target's 64"):
         load_draft(tmp_path, target)
@@ -202,7 +246,9 @@ def test_missing_files_and_pickles_with_code(target, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(reference_config_json()))
     with pytest.raises(FileNotFoundError, match="no weights"):
         load_draft(tmp_path, target)
-    torch.save({"fc.weight": torch.zeros(D, 2 * D), "evil": torch.nn.Linear(2, 2)}, tmp_path / "pytorch_model.bin")
+    torch.save(
+        {"fc.weight": torch.zeros(D, 2 * D), "evil": torch.nn.Linear(2, 2)}, tmp_path / "pytorch_model.bin"
+    )
     with pytest.raises(ValueError, match="pytorch_model.bin: not a plain tensor state dict"):
         load_draft(tmp_path, target)
 
@@ -215,9 +261,16 @@ def sglang_parameters(config: dict) -> set[str]:
     attn_bias = bool(config.get("attention_bias") or config.get("bias"))
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
-        params |= {prefix + n for n in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
-                                        "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
-                                        "post_attention_layernorm.weight")}
+        params |= {
+            prefix + n
+            for n in (
+                "self_attn.qkv_proj.weight",
+                "self_attn.o_proj.weight",
+                "mlp.gate_up_proj.weight",
+                "mlp.down_proj.weight",
+                "post_attention_layernorm.weight",
+            )
+        }
         if attn_bias:
             params |= {prefix + "self_attn.qkv_proj.bias", prefix + "self_attn.o_proj.bias"}
         if i > 0:
@@ -228,8 +281,13 @@ def sglang_parameters(config: dict) -> set[str]:
 def sglang_loaded_name(key: str) -> str:
     """What SGLang's load_weights turns a file key into ("model." prefix, stacked projections)."""
     name = key if "lm_head" in key else "model." + key
-    for shard, fused in ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
-                         (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj")):
+    for shard, fused in (
+        (".q_proj", ".qkv_proj"),
+        (".k_proj", ".qkv_proj"),
+        (".v_proj", ".qkv_proj"),
+        (".gate_proj", ".gate_up_proj"),
+        (".up_proj", ".gate_up_proj"),
+    ):
         if shard in name:
             return name.replace(shard, fused)
     return name

@@ -49,7 +49,9 @@ class ScriptedDraft:
             assert len(path) - 1 == depth, "depth must match the path"
             ancestors = set() if parent == -1 else {*self.ancestors[parent], parent}
             expected = {*ancestors, len(self.paths) + i}
-            assert set(torch.nonzero(tree_mask[i]).flatten().tolist()) == expected, "tree mask != ancestors + self"
+            assert set(torch.nonzero(tree_mask[i]).flatten().tolist()) == expected, (
+                "tree mask != ancestors + self"
+            )
             new_paths.append(path)
             new_ancestors.append(ancestors)
         self.paths.extend(new_paths)

@@ -24,8 +24,13 @@ def test_chain_and_explicit_paths():
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [({"method": "medusa"}, "method"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-     ({"total_tokens": 1}, "total_tokens"), ({"depth": 0}, "depth")],
+    [
+        ({"method": "medusa"}, "method"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"total_tokens": 1}, "total_tokens"),
+        ({"depth": 0}, "depth"),
+    ],
 )
 def test_bad_values_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -105,7 +105,9 @@ def test_each_round_starts_with_the_targets_own_token(target, trained_head, temp
         else:
             assert p[token] > 0
     rates = res.stats.acceptance_by_position
-    assert all(0.0 <= r <= 1.0 for r in rates) and len(res.stats.node_confidence) == len(res.stats.node_accepted)
+    assert all(0.0 <= r <= 1.0 for r in rates) and len(res.stats.node_confidence) == len(
+        res.stats.node_accepted
+    )
 
 
 def test_round_statistics_per_node():
@@ -160,15 +162,19 @@ def joint_counts(target, head, sample_children: bool, runs: int, seed: int):
         if tree is None or sample_children:
             drafter.cache.crop(drafter.committed)
             drafter.fed = 0
-            tree = expand_static(plan, root, root_lp, drafter, (lambda lp: process(lp)) if sample_children else None, g)
-            node_ctx = [tuple(tree.tokens[[j for j in row if j >= 0][1:]].tolist()) for row in _node_paths(tree)]
+            tree = expand_static(
+                plan, root, root_lp, drafter, (lambda lp: process(lp)) if sample_children else None, g
+            )
+            node_ctx = [
+                tuple(tree.tokens[[j for j in row if j >= 0][1:]].tolist()) for row in _node_paths(tree)
+            ]
             probs = torch.stack([p_after(c) for c in node_ctx])
         path, bonus = accept_sampling(tree, probs, g)
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
         if len(out) < 2:
             out.append(int(torch.multinomial(p_after(tuple(out)), 1, generator=g)))
         counts[out[0], out[1]] += 1
-    exact = torch.stack([p_after(()) [a] * p_after((a,)) for a in range(target.vocab_size)])
+    exact = torch.stack([p_after(())[a] * p_after((a,)) for a in range(target.vocab_size)])
     return counts, exact
 
 
@@ -194,9 +200,13 @@ def test_sampling_is_lossless_on_stories260k(target, trained_head, sample_childr
 def test_sampling_decoder_runs_and_stops(target, trained_head):
     prompt = prompts(target, 1)[0]
     for cfg in SPEC.values():
-        res = generate(target, trained_head, cfg, prompt, max_new_tokens=50, temperature=0.8, top_p=0.95, seed=3)
+        res = generate(
+            target, trained_head, cfg, prompt, max_new_tokens=50, temperature=0.8, top_p=0.95, seed=3
+        )
         assert 0 < len(res.tokens) <= 50 and all(0 <= t < target.vocab_size for t in res.tokens)
-        again = generate(target, trained_head, cfg, prompt, max_new_tokens=50, temperature=0.8, top_p=0.95, seed=3)
+        again = generate(
+            target, trained_head, cfg, prompt, max_new_tokens=50, temperature=0.8, top_p=0.95, seed=3
+        )
         assert again.tokens == res.tokens  # the seeded generator makes a run reproducible
 
 

@@ -59,7 +59,9 @@ def reference_dynamic(depth, top_k, total_tokens, lp_of) -> set[tuple[int, ...]]
     return {(ROOT,)} | {c[3] for c in best}
 
 
-@pytest.mark.parametrize("paths", [chain_paths(5), load_tree_paths("mc_sim_7b_63"), [[0], [2], [2, 1], [2, 1, 3]]])
+@pytest.mark.parametrize(
+    "paths", [chain_paths(5), load_tree_paths("mc_sim_7b_63"), [[0], [2], [2, 1], [2, 1, 3]]]
+)
 def test_static_expansion_matches_reference(scripted_draft, paths):
     from tests.spec.conftest import path_log_probs
 
@@ -70,10 +72,14 @@ def test_static_expansion_matches_reference(scripted_draft, paths):
     assert draft.calls == shape.max_depth - 1  # one draft call per depth above the last
     # confidence = the draft's probability of each node given its parent
     for i, path in enumerate(token_paths(tree)[1:], start=1):
-        assert tree.confidence[i] == pytest.approx(path_log_probs(path[:-1], VOCAB)[path[-1]].exp().item(), rel=1e-5)
+        assert tree.confidence[i] == pytest.approx(
+            path_log_probs(path[:-1], VOCAB)[path[-1]].exp().item(), rel=1e-5
+        )
 
 
-@pytest.mark.parametrize("depth, top_k, total_tokens", [(1, 3, 4), (3, 4, 12), (5, 3, 26), (4, 5, 60), (2, 2, 200)])
+@pytest.mark.parametrize(
+    "depth, top_k, total_tokens", [(1, 3, 4), (3, 4, 12), (5, 3, 26), (4, 5, 60), (2, 2, 200)]
+)
 def test_dynamic_expansion_matches_reference(scripted_draft, depth, top_k, total_tokens):
     from tests.spec.conftest import path_log_probs
 

@@ -72,7 +72,12 @@ def test_chain_and_truncation():
 
 @pytest.mark.parametrize(
     "paths, message",
-    [([[0], [0, 0], [0, 0]], "duplicates"), ([[0], [1, 0]], "parent path"), ([[0], []], "non-empty"), ([[-1]], "ranks")],
+    [
+        ([[0], [0, 0], [0, 0]], "duplicates"),
+        ([[0], [1, 0]], "parent path"),
+        ([[0], []], "non-empty"),
+        ([[-1]], "ranks"),
+    ],
 )
 def test_bad_paths_are_refused(paths, message):
     with pytest.raises(ValueError, match=message):
