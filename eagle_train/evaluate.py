@@ -29,12 +29,15 @@ from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
+from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
 from eagle_train.entry import stage_main
 from eagle_train.files import atomic_write_lines
 from eagle_train.modeling.hf_generate import HFGenerate
-from eagle_train.modeling.interop import load_draft
+from eagle_train.modeling.interop import export_head, load_draft
+from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import Target, load_target
 from eagle_train.report import BASELINE, markdown_table, write_report
+from eagle_train.report_engines import engine_section
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ def answer_question(
                 "prompt_tokens": len(ids),
                 "prompt_cut": cut,
                 **answer_record(result, method, wall),
+                "prompt_ids": list(ids),
             }
             record["text"] = answer
             records.append(record)
@@ -166,6 +170,64 @@ def write_answers(records: list[dict], path: Path) -> None:
     atomic_write_lines(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
+def export_for_vllm(head, target: Target, out: Path) -> Path:
+    """The head in vLLM's layout, re-expressed with the target's head_dim when the target was
+    (eagle_train.modeling.reexpress: vLLM's CPU attention needs 32+)."""
+    target_head_dim = int(
+        getattr(target.config, "head_dim", None) or target.hidden_size // target.config.num_attention_heads
+    )
+    if head.config.head_dim != target_head_dim:
+        head = widen_head(head, target_head_dim)
+    return export_head(head, "vllm", out, meta={"target": target.cfg.name, "target_source": target.source})
+
+
+def run_engine(
+    cfg: EvaluateConfig, target: Target, head, records: list[dict], out: Path
+) -> tuple[list[dict], list[str]]:
+    """The chain records' prompt token ids decoded by vLLM without and with speculation (K =
+    decode.chain_length); returns (engine records, notes about vLLM's log)."""
+    chain = [r for r in records if r["method"] == "chain"]
+    prompts = [r["prompt_ids"] for r in chain]
+    limits = dict(max_tokens=cfg.decode.max_new_tokens, stop_token_ids=target.stop_token_ids)
+    if cfg.engine_url:
+        result = run_vllm_server(cfg.engine_url, prompts, **limits)
+    else:
+        head_dir = export_for_vllm(head, target, out / "engine" / "vllm_head")
+        runs = {"ar": None, "chain": speculative_config(head_dir, cfg.decode.chain_length)}
+        result = run_vllm(
+            target.source,
+            prompts,
+            runs,
+            out / "engine",
+            max_model_len=target.max_len,
+            python=cfg.engine_python,
+            dtype=cfg.target.dtype if cfg.target.dtype != "auto" else "auto",
+            **limits,
+        )
+    engine_records = []
+    for name in result.runs:
+        for source, answer in zip(chain, result.outputs(name), strict=True):
+            engine_records.append(
+                {
+                    "bench": source["bench"],
+                    "question_id": source["question_id"],
+                    "turn": source["turn"],
+                    "engine": "vllm",
+                    "method": name,
+                    "new_tokens": len(answer["tokens"]),
+                    "wall_s": answer["wall_s"],
+                    "tokens": answer["tokens"],
+                    "spec": answer["spec"],
+                }
+            )
+    notes = [
+        f"vllm {run.name}: the log reports a weight-loading problem: {w}"
+        for run in result.runs.values()
+        for w in run.load_warnings
+    ]
+    return engine_records, notes
+
+
 def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds: float) -> dict:
     """The run settings shown at the top of the report."""
     decode = {k: v for k, v in dataclasses.asdict(cfg.decode).items() if k not in ("method", "tree_paths")}
@@ -174,6 +236,12 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
         "draft": cfg.draft.path,
         "benchmarks": ", ".join(bench_name(b) for b in cfg.bench),
         "methods": ", ".join(cfg.methods),
+        "engines": "builtin"
+        + (
+            f", vllm ({cfg.engine_url or 'started from ' + str(cfg.engine_python or '.venv-vllm')})"
+            if cfg.engine == "vllm"
+            else ""
+        ),
         "temperature": cfg.decode.temperature,
         "decode": json.dumps(decode),
         "num_questions": cfg.num_questions,
@@ -202,12 +270,20 @@ def run(cfg: EvaluateConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_answers(records, out / "answers.jsonl")
+    engines = None
+    if cfg.engine == "vllm":
+        engine_records, log_notes = run_engine(cfg, target, decoders["chain"].head, records, out)
+        write_answers(engine_records, out / "engine_answers.jsonl")
+        engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
+        engines["sanity"] = log_notes + engines["sanity"]
     meta = run_meta(cfg, target, device, time.perf_counter() - start)
-    report = write_report(records, out, meta, min_rounds=cfg.min_rounds, plots=cfg.plots)
+    report = write_report(records, out, meta, min_rounds=cfg.min_rounds, plots=cfg.plots, engines=engines)
     cut = sum(1 for r in records if r["prompt_cut"])
     if cut:
         log.warning("%d prompts were longer than the context allows and were cut (see prompt_cut)", cut)
     print(markdown_table(report["results"]))
+    if engines:
+        print(engines["markdown"])
     for note in report["sanity"]:
         print(f"WARNING: {note}")
     print(f"report: {out / 'report.md'}")

@@ -9,6 +9,7 @@ written atomically; config.json carries the target's id and the training maximum
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from eagle_train.config.export import ExportConfig
 from eagle_train.entry import stage_main
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
+from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,22 @@ def checkpoint_dir(ckpt: str) -> Path:
     return Path(path)
 
 
+def target_architectures(meta: dict, source: str | None) -> list[str] | None:
+    """The target's `architectures` (for reference in the export): recorded by training, else read
+    from the target's config.json when its source is a local directory."""
+    recorded = meta["target"].get("architectures") if isinstance(meta.get("target"), dict) else None
+    if recorded:
+        return list(recorded)
+    config = resolve_path(source) / CONFIG_NAME if source and resolve_path(source) else None
+    if config is not None and config.is_file():
+        return json.loads(config.read_text()).get("architectures")
+    return None
+
+
 def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
-    """The `eagle_train` block: target id, target source, training max length, where it came from."""
+    """The `eagle_train` block: target id, source and architectures, training max length, where it came from."""
     name, source = recorded_target(meta)
+    architectures = target_architectures(meta, source)
     if isinstance(meta.get("target"), dict):
         meta = {**meta, "target_config_hash": meta["target"].get("config_hash")}
     target_id = cfg.target_id or name
@@ -48,6 +63,7 @@ def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
         **meta,
         "target": target_id,
         "target_source": source,
+        "target_architectures": architectures,
         "max_len": max_len,
         "source_checkpoint": str(ckpt),
         "note": f"trained on sequences of at most {max_len} tokens; expect lower acceptance beyond that",
@@ -61,6 +77,9 @@ def run(cfg: ExportConfig) -> Path:
     ckpt = checkpoint_dir(cfg.ckpt)
     head, meta = load_head(ckpt)
     meta = export_meta(meta, cfg, ckpt)
+    if cfg.head_dim and cfg.head_dim != head.config.head_dim:
+        meta["reexpressed"] = {"head_dim": head.config.head_dim, "new_head_dim": cfg.head_dim}
+        head = widen_head(head, cfg.head_dim)
     embed = None
     if cfg.format == "eagle":
         source = cfg.target_path or meta.get("target_source")

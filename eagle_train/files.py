@@ -97,10 +97,10 @@ def _normalise_modes(root: Path) -> None:
     """Files 0666 & ~umask, directories 0777 & ~umask, below `root` (writers may have used mkstemp)."""
     mask = _umask()
     for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames:
-            os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
-        for name in filenames:
-            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
+        for name, mode in [*((d, 0o777) for d in dirnames), *((f, 0o666) for f in filenames)]:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):  # chmod follows links: never touch what a link points at
+                os.chmod(path, mode & ~mask)
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:

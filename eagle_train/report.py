@@ -23,7 +23,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle_train.decoding.stats import acceptance_by_position, mean_accept_length
+from eagle_train.decoding.stats import (
+    acceptance_by_position,
+    mean_accept_length,
+)
 from eagle_train.files import atomic_path, atomic_write_json, atomic_write_text
 
 BASELINE = "ar"
@@ -46,6 +49,46 @@ def rounds_acceptance(records: list[dict]) -> list[float | None]:
         for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True)
     ]
     return acceptance_by_position([a for a, _ in rounds], [d for _, d in rounds])
+
+
+def add_spec_counts(total: dict[str, Any], more: dict[str, Any], sign: int = 1) -> dict[str, Any]:
+    """total + sign * more, field by field (accepted_per_pos padded to the longer list)."""
+    out = {k: total[k] + sign * more[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    a, b = list(total["accepted_per_pos"]), list(more["accepted_per_pos"])
+    width = max(len(a), len(b))
+    a, b = a + [0] * (width - len(a)), b + [0] * (width - len(b))
+    out["accepted_per_pos"] = [x + sign * y for x, y in zip(a, b, strict=True)]
+    return out
+
+
+def spec_counts(records: Iterable[dict]) -> dict[str, Any]:
+    """Speculative-decoding counters as vLLM keeps them: drafts (rounds that drafted), draft tokens,
+    accepted draft tokens, and per position k the drafts whose token k was accepted (not conditional).
+    A record carries vLLM's own counters (`spec`) or the built-in decoder's rounds (accept_lengths, draft_depths)."""
+    total: dict[str, Any] = {
+        "num_drafts": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "accepted_per_pos": [],
+    }
+    for r in records:
+        if "spec" in r:
+            total = add_spec_counts(total, r["spec"])
+            continue
+        for length, depth in zip(r.get("accept_lengths", []), r.get("draft_depths", []), strict=True):
+            if depth == 0:  # a plain decoding step, no draft
+                continue
+            per_pos = [1] * (length - 1) + [0] * (depth - length + 1)
+            total = add_spec_counts(
+                total,
+                {
+                    "num_drafts": 1,
+                    "num_draft_tokens": depth,
+                    "num_accepted_tokens": length - 1,
+                    "accepted_per_pos": per_pos,
+                },
+            )
+    return total
 
 
 def calibration(records: list[dict], bins: int = CALIBRATION_BINS) -> list[dict[str, float]]:
@@ -162,8 +205,14 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], plots: list[str]) -> str:
-    """report.md: run settings, the table, the sanity lines, the plots."""
+def render_markdown(
+    rows: list[dict],
+    notes: list[str],
+    meta: dict[str, Any],
+    plots: list[str],
+    engines_markdown: str | None = None,
+) -> str:
+    """report.md: run settings, the table, the engines side by side (if any), the sanity lines, the plots."""
     parts = ["# Evaluation report", ""]
     parts += [f"- {k}: {v}" for k, v in meta.items()]
     parts += ["", markdown_table(rows), ""]
@@ -171,6 +220,8 @@ def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], pl
         "tau = tokens per target forward (accepted drafts + 1); acc@k = P(draft token k accepted | 1..k-1 "
         "accepted); speedup = tokens/s over ar's on the same benchmark, timed in this run."
     )
+    if engines_markdown:
+        parts += ["", engines_markdown]
     parts += ["", "## Sanity", ""]
     parts += [f"- WARNING: {n}" for n in notes] or ["- all checks passed"]
     if plots:
@@ -179,15 +230,21 @@ def render_markdown(rows: list[dict], notes: list[str], meta: dict[str, Any], pl
 
 
 def write_report(
-    records: list[dict], out_dir: str | Path, meta: dict[str, Any], min_rounds: int = 20, plots: bool = True
+    records: list[dict],
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    min_rounds: int = 20,
+    plots: bool = True,
+    engines: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report."""
+    """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report.
+    `engines`: the side-by-side engine section (`eagle_train.report_engines.engine_section`), if any."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     greedy = float(meta.get("temperature", 0.0)) == 0.0
-    notes = sanity_checks(rows, min_rounds, greedy)
-    plot_files = write_plots(records, rows, out) if plots else []
+    notes = sanity_checks(rows, min_rounds, greedy) + (engines["sanity"] if engines else [])
+    plot_files = (write_plots(records, rows, out) if plots else []) + (engines["plots"] if engines else [])
     calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
     report = {
         "meta": meta,
@@ -196,8 +253,13 @@ def write_report(
         "calibration": calib,
         "plots": [Path(p).name for p in plot_files],
     }
+    if engines:
+        report["engines"] = engines["rows"]
     atomic_write_json(out / "report.json", report, sort_keys=False)
-    atomic_write_text(out / "report.md", render_markdown(rows, notes, meta, plot_files))
+    atomic_write_text(
+        out / "report.md",
+        render_markdown(rows, notes, meta, plot_files, engines["markdown"] if engines else None),
+    )
     return report
 
 

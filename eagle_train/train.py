@@ -34,6 +34,7 @@ from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.training import checkpoint as ckpt
 from eagle_train.training.data import Source, batch_to, collate, online_collate, plan_epoch, split_by_id
+from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
 from eagle_train.training.optim import build_optimizer, grad_norm, lr_at, set_lr
 from eagle_train.training.sources import open_online, open_store
 
@@ -288,6 +289,7 @@ class Session:
     steps_per_epoch: int
     total: int  # optimizer steps of the whole schedule
     stop: int  # where this invocation stops (stop_at_step or total)
+    target: Target | None = None  # the frozen target (its tokenizer and stop ids for the engine evaluation)
 
 
 def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
@@ -338,6 +340,7 @@ def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
         steps_per_epoch,
         total,
         min(total, cfg.stop_at_step or total),
+        target,
     )
     return session, state
 
@@ -407,9 +410,23 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
             window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < s.stop and s.data.held_out:
             log_metrics(acc, s.out_dir, step, evaluate(acc.unwrap_model(s.model), s.data, cfg, acc))
+        if cfg.eval_engine != "none" and (
+            (cfg.eval_engine_every and step % cfg.eval_engine_every == 0) or step == s.stop
+        ):
+            log_engine_metrics(cfg, s, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == s.stop:
             ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, cfg.keep_last)
     bar.close()
+
+
+def log_engine_metrics(cfg: TrainConfig, s: Session, step: int) -> None:
+    """The head in a real engine (main process; the others wait): engine/vllm_* in metrics.jsonl and wandb."""
+    acc = s.accelerator
+    if acc.is_main_process:
+        prompts = held_out_prompts(s.data.source, s.data.held_out or s.data.train, cfg.eval_engine_prompts)
+        values = engine_metrics(acc.unwrap_model(s.model), s.target, prompts, cfg, s.out_dir / "engine_eval")
+        log_metrics(acc, s.out_dir, step, values)
+    acc.wait_for_everyone()
 
 
 def run(cfg: TrainConfig) -> dict[str, float]:

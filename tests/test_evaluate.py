@@ -120,3 +120,41 @@ def test_calibration_pairs_use_every_tested_node():
     pairs = calibration_pairs(stats)
     assert [ok for _, ok in pairs] == [1, 0, 1, 0, 1]
     assert [c for c, _ in pairs] == pytest.approx([0.9, 0.5, 0.6, 0.3, 0.9])
+
+
+def test_engine_settings_are_checked(target_cfg):
+    cfg = EvaluateConfig(target=target_cfg, draft=DraftConfig(path="x"), methods=["eagle2"], engine="vllm")
+    assert cfg.methods == [
+        "eagle2",
+        "ar",
+        "chain",
+    ]  # the engines are compared on chain against plain decoding
+    with pytest.raises(ValueError, match="engine must be one of"):
+        EvaluateConfig(target=target_cfg, draft=DraftConfig(path="x"), engine="tgi")
+    with pytest.raises(ValueError, match="compares greedy decoding"):
+        EvaluateConfig(
+            target=target_cfg,
+            draft=DraftConfig(path="x"),
+            engine="vllm",
+            decode=DecodeConfig(temperature=0.7),
+        )
+
+
+def test_records_carry_their_prompt_ids(target_cfg, head_dir, tmp_path):
+    """evaluate engine=vllm hands an engine exactly the prompt token ids the built-in decoder answered."""
+    cfg = EvaluateConfig(
+        target=target_cfg,
+        draft=DraftConfig(path=str(head_dir)),
+        bench=["tinystories"],
+        methods=["ar", "chain"],
+        num_questions=1,
+        out_dir=str(tmp_path),
+        num_threads=1,
+        decode=DecodeConfig(max_new_tokens=8),
+        progress=False,
+        plots=False,
+    )
+    run(cfg)
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert {len(a["prompt_ids"]) for a in answers} == {answers[0]["prompt_tokens"]}
+    assert answers[0]["prompt_ids"] == answers[1]["prompt_ids"] and answers[0]["prompt_ids"][0] == 1

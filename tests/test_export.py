@@ -15,7 +15,7 @@ from eagle_train.config.base import to_schema
 from eagle_train.config.export import ExportConfig
 from eagle_train.entry import compose
 from eagle_train.export import run
-from eagle_train.modeling.checkpoint import save_head
+from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
 from tests.conftest import STORIES260K
 
@@ -54,6 +54,46 @@ def test_run_writes_each_layout(ckpt, tmp_path, fmt, weights):
     assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_source"] == str(
         STORIES260K
     )
+
+
+def test_exports_are_readable_by_another_user(ckpt, tmp_path):
+    """0755 directories and 0644 files under umask 022 (mkdtemp's 0700 must not survive the rename)."""
+    old = os.umask(0o022)
+    try:
+        for fmt in ("vllm", "sglang", "eagle"):
+            out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / 'x' / fmt}"))
+            assert oct(out.stat().st_mode & 0o777) == oct(0o755), fmt
+            assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}, fmt
+        again = save_head(DraftHead.from_target(load_head(ckpt)[0].config), tmp_path / "ckpt2")
+        assert oct(again.stat().st_mode & 0o777) == oct(0o755)
+    finally:
+        os.umask(old)
+
+
+def test_config_carries_the_targets_limits_and_architectures(ckpt, tmp_path):
+    out = run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+    config = json.loads((out / "config.json").read_text())
+    target_config = json.loads((STORIES260K / "config.json").read_text())
+    assert config["max_position_embeddings"] == target_config["max_position_embeddings"] == 512
+    assert config["eagle_train"]["target_architectures"] == ["LlamaForCausalLM"]
+    assert config["eagle_train"]["max_len"] == 384
+
+
+def test_head_dim_re_expression(ckpt, tmp_path):
+    out = run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}", "head_dim=32"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["head_dim"] == 32 and config["eagle_train"]["reexpressed"] == {
+        "head_dim": 8,
+        "new_head_dim": 32,
+    }
+    assert load_file(str(out / "model.safetensors"))["layers.0.self_attn.q_proj.weight"].shape == (256, 64)
+
+
+def test_the_reference_layout_cannot_hold_a_re_expressed_head(ckpt, tmp_path):
+    """format=eagle is the reference's own loader (head_dim = hidden / heads): not a layout for vLLM's
+    head_dim-32 stories260K; vLLM gets format=vllm (tests/engines)."""
+    with pytest.raises(ValueError, match="head_dim \\* num_attention_heads == hidden_size"):
+        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={tmp_path / 'o'}", "head_dim=32"))
 
 
 def test_overrides_and_dtype(ckpt, tmp_path):

@@ -3,10 +3,12 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
   0 foundation   config/*, files                         stdlib, omegaconf
-  1 pure cores   loss, metrics, kv_cache, decoding/*, report, data/batching, data/jsonl, data/templates
+  1 pure cores   loss, metrics, kv_cache, decoding/*, report, report_engines, data/batching, data/jsonl,
+                 data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
-                 importers besides stages), store           + safetensors
+                 importers besides stages), store, engines/* (a serving engine in its own environment;
+                 engines/vllm_worker runs there: stdlib + vllm only)   + safetensors
   3 stage pieces training/*                              torch only (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
@@ -30,12 +32,14 @@ LAYERS: list[tuple[str, int]] = [
     ("metrics", 1),
     ("kv_cache", 1),
     ("decoding", 1),
+    ("report_engines", 1),
     ("report", 1),
     ("data.batching", 1),
     ("data.jsonl", 1),
     ("data.templates", 1),
     ("data", 2),
     ("modeling", 2),
+    ("engines", 2),
     ("store", 2),
     ("training", 3),
     ("entry", 4),
@@ -50,6 +54,8 @@ THIRD_PARTY = {
 }
 EXTRA = {
     "report": {"matplotlib"},
+    "report_engines": {"matplotlib"},
+    "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
     "modeling": {"transformers"},
     "data": {"datasets"},
     "extract": {"datasets"},
@@ -127,3 +133,14 @@ def test_the_root_shim_only_calls_the_train_stage():
     tree = ast.parse((PACKAGE.parent / "train.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported == {"eagle_train.train"}
+
+
+def test_the_vllm_worker_imports_only_the_standard_library_and_vllm():
+    """It runs in vLLM's own environment, where neither this package nor its torch is installed."""
+    import sys
+
+    imports = _modules()["engines.vllm_worker"]
+    bad = sorted(
+        i for i in imports if i.split(".")[0] not in sys.stdlib_module_names | {"vllm", "__future__"}
+    )
+    assert not bad, f"eagle_train.engines.vllm_worker imports {bad}"

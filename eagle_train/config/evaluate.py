@@ -9,6 +9,8 @@ from eagle_train.config.decode import METHODS, DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
+ENGINES = ("builtin", "vllm")
+
 
 @dataclass
 class EvaluateConfig:
@@ -33,6 +35,13 @@ class EvaluateConfig:
     # with 1 (measured here under load: stories260K greedy 64 tokens 0.27 s with 1 thread, 4.2 s with 2)
     num_threads: int | None = None
     plots: bool = True  # write the PNG plots
+    # builtin: this project's decoder only | vllm: also run the head in a real vLLM on the same prompt token
+    # ids (no speculation, and a chain of decode.chain_length tokens) and report both engines side by side
+    engine: str = "builtin"
+    engine_python: str | None = None  # vLLM's own python (null = .venv-vllm/bin/python, from `make vllm-env`)
+    # a running `vllm serve TARGET --speculative-config ...` to use instead of starting vLLM (OpenAI API
+    # base URL, e.g. http://127.0.0.1:8000); it must serve this target with this head at decode.chain_length
+    engine_url: str | None = None
     progress: bool = True  # tqdm progress bars
 
     def __post_init__(self) -> None:
@@ -52,5 +61,15 @@ class EvaluateConfig:
             raise ValueError(f"max_turns must be >= 1 or null, got {self.max_turns}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or null, got {self.num_threads}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine != "builtin" and self.decode.temperature != 0:
+            raise ValueError("engine=vllm compares greedy decoding: set decode.temperature=0")
+        if self.engine != "builtin" and not self.draft.path:
+            raise ValueError("engine=vllm runs a head: set draft.path=DIR")
+        if (
+            self.engine != "builtin"
+        ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
+            self.methods += [m for m in ("ar", "chain") if m not in self.methods]
         if self.warmup < 0 or self.min_rounds < 0:
             raise ValueError("warmup and min_rounds must be >= 0")

@@ -25,6 +25,9 @@ class ExportConfig:
     # Where format=eagle reads the target's input embedding (the reference loads it from the head's file);
     # null = the target source the checkpoint records.
     target_path: str | None = None
+    # Re-express the head exactly with this larger head_dim (eagle_train.modeling.reexpress), for a target
+    # re-expressed the same way (vLLM's CPU attention needs 32+); null = keep the head's own.
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.format not in EXPORT_FORMATS:
@@ -33,5 +36,7 @@ class ExportConfig:
             raise ValueError(f"fc_bias must be one of {FC_BIAS_POLICIES}, got {self.fc_bias!r}")
         if self.dtype is not None and self.dtype not in EXPORT_DTYPES:
             raise ValueError(f"dtype must be one of {EXPORT_DTYPES} or null, got {self.dtype!r}")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1 or null, got {self.head_dim}")
         if self.max_len is not None and self.max_len <= 1:
             raise ValueError(f"max_len must be > 1, got {self.max_len}")

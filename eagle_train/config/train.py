@@ -20,6 +20,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 CLIPS = ("norm", "value", "none")
 NOISE_MODES = ("uniform", "length_scaled", "none")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
+EVAL_ENGINES = ("none", "vllm")
 
 
 @dataclass
@@ -113,6 +114,16 @@ class TrainConfig:
     eval_depth: int = 5  # chain length K for k-step accuracy and the simulated acceptance length
     save_every: int = 1000  # optimizer steps between checkpoints (0 = only the final one)
     keep_last: int = 3  # full checkpoints kept in out_dir/checkpoints
+    # none | vllm: every eval_engine_every steps (and at the end) run the head in a real vLLM (its own
+    # environment) on held-out prompts and log its tau / acceptance (engine/vllm_*) next to eval/accept_len
+    eval_engine: str = "none"
+    eval_engine_every: int = 0  # optimizer steps between engine evaluations (0 = only at the end)
+    eval_engine_prompts: int = 8  # held-out prompts the engine decodes
+    eval_engine_max_new_tokens: int = 64  # tokens generated per prompt
+    eval_engine_python: str | None = None  # vLLM's python (null = .venv-vllm/bin/python, `make vllm-env`)
+    # the model vLLM loads as the target (null = target.path); e.g. a head_dim-32 re-expression of a target
+    # whose head_dim vLLM's CPU attention refuses (python -m eagle_train.modeling.reexpress)
+    eval_engine_target: str | None = None
     wandb: bool = False  # also log to wandb (accelerate tracker; WANDB_MODE=offline unless set)
     wandb_project: str = "eagle-train"  # wandb project name
     progress: bool = True  # tqdm progress bar on the main process
@@ -128,5 +139,11 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or null, got {self.max_steps}")
+        if self.eval_engine not in EVAL_ENGINES:
+            raise ValueError(f"eval_engine must be one of {EVAL_ENGINES}, got {self.eval_engine!r}")
+        if self.eval_engine_every < 0 or self.eval_engine_prompts < 1 or self.eval_engine_max_new_tokens < 1:
+            raise ValueError(
+                "eval_engine_every must be >= 0, eval_engine_prompts and eval_engine_max_new_tokens >= 1"
+            )
         if self.grad_accum < 1 or self.max_tokens < 1 or self.eval_depth < 1 or self.keep_last < 1:
             raise ValueError("grad_accum, max_tokens, eval_depth and keep_last must be >= 1")

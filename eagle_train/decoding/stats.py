@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 def mean_accept_length(accept_lengths: Iterable[int]) -> float | None:
@@ -24,6 +25,17 @@ def acceptance_by_position(accepted: Sequence[int], offered_depth: Sequence[int]
         reached = [a for a, d in rounds if d >= k and a >= k - 1]
         rates.append(sum(a >= k for a in reached) / len(reached) if reached else None)
     return rates
+
+
+def counts_tau(counts: dict[str, Any]) -> float | None:
+    """tau from vLLM-style counters (drafts, accepted draft tokens): 1 + accepted draft tokens per draft (= mean of accepted + 1 over rounds)."""
+    return 1 + counts["num_accepted_tokens"] / counts["num_drafts"] if counts["num_drafts"] else None
+
+
+def counts_acceptance(counts: dict[str, Any]) -> list[float | None]:
+    """Conditional acceptance by position from counters (equal to `acceptance_by_position` for chains that always draft every position)."""
+    reached = [counts["num_drafts"], *counts["accepted_per_pos"][:-1]]
+    return [hit / n if n else None for hit, n in zip(counts["accepted_per_pos"], reached, strict=True)]
 
 
 @dataclass

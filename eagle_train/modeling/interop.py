@@ -7,8 +7,11 @@ What each consumer really loads (read from their loaders):
   `fc.bias` in the file is silently skipped ("weights that don't exist in the model"), which would change
   every draft token. q/k/v/o biases follow `attention_bias`. So a head trained with an fc bias is
   exported by folding the bias exactly into the first layer (see `fold_fc_bias`), or refused.
-- SGLang (`srt/models/llama_eagle.py`): `architectures: ["LlamaForCausalLMEagle"]`,
-  `fc = Linear(2d, d)` WITH a bias (always: a head without one gets a zero bias, never garbage).
+- SGLang (`srt/models/llama_eagle.py`, `llama.py`): `architectures: ["LlamaForCausalLMEagle"]`,
+  `fc = Linear(2d, d)` WITH a bias (always: a head without one gets a zero bias, never garbage). Its
+  `load_weights` prefixes every key but lm_head with `model.` (so the file has none), stacks q/k/v into
+  qkv_proj and gate/up into gate_up_proj, warns on an unknown key and skips an unknown `.bias` silently;
+  layer 0's input_layernorm is the identity; the MLP has no bias and only SiLU (refused otherwise).
 - EAGLE reference (`eagle/model/ea_model.py`, `cnets.py`, `configs.py`): `pytorch_model.bin` loaded
   with `load_state_dict(strict=True)` into a module that owns `embed_tokens`, so the file carries
   `embed_tokens.weight`; config.json's `bias` key (default true) sets the fc bias; `rope_scaling` must be
@@ -141,6 +144,18 @@ def check_reference_representable(head: DraftHead, config: dict[str, Any]) -> No
         )
 
 
+def check_sglang_representable(config: dict[str, Any]) -> None:
+    """SGLang's Llama layer has an MLP without biases (a bias in the file is skipped silently) and only SiLU."""
+    if config.get("mlp_bias"):
+        raise ValueError(
+            "format=sglang: SGLang's LlamaMLP has no biases and would skip them silently; use format=vllm"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"format=sglang: SGLang's LlamaMLP supports silu only, this head uses {config['hidden_act']!r}"
+        )
+
+
 def reference_config(config: dict[str, Any], fc_bias: bool) -> dict[str, Any]:
     """The reference's config.json: Llama keys, `bias` for fc, rope_scaling as {type, factor}."""
     out = {k: v for k, v in config.items() if k != "rope_parameters"}
@@ -183,6 +198,8 @@ def export_head(
             )
         fold_fc_bias(state, config)
         info["fc_bias_folded"] = True
+    if fmt == "sglang":
+        check_sglang_representable(config)
     if fmt == "sglang" and not fc_bias:
         state["fc.bias"] = torch.zeros(
             head.fc.out_features

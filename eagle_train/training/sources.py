@@ -30,6 +30,7 @@ def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
             "name": target.cfg.name,
             "source": target.source,
             "config_hash": target_config_hash(hf_config.to_dict()),
+            "architectures": list(getattr(hf_config, "architectures", None) or []),
         }
     }
 

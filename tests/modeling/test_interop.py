@@ -251,3 +251,60 @@ def test_missing_files_and_pickles_with_code(target, tmp_path):
     )
     with pytest.raises(ValueError, match="pytorch_model.bin: not a plain tensor state dict"):
         load_draft(tmp_path, target)
+
+
+def sglang_parameters(config: dict) -> set[str]:
+    """The parameters SGLang's LlamaForCausalLMEagle builds for this config, as read in its source
+    (srt/models/llama_eagle.py + llama.py): fused qkv/gate_up, layer 0 without input_layernorm, MLP without
+    bias, attention biases iff attention_bias (or `bias`), fc with a bias; embed_tokens/lm_head come from the target."""
+    params = {"model.fc.weight", "model.fc.bias"}
+    attn_bias = bool(config.get("attention_bias") or config.get("bias"))
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        params |= {
+            prefix + n
+            for n in (
+                "self_attn.qkv_proj.weight",
+                "self_attn.o_proj.weight",
+                "mlp.gate_up_proj.weight",
+                "mlp.down_proj.weight",
+                "post_attention_layernorm.weight",
+            )
+        }
+        if attn_bias:
+            params |= {prefix + "self_attn.qkv_proj.bias", prefix + "self_attn.o_proj.bias"}
+        if i > 0:
+            params.add(prefix + "input_layernorm.weight")
+    return params
+
+
+def sglang_loaded_name(key: str) -> str:
+    """What SGLang's load_weights turns a file key into ("model." prefix, stacked projections)."""
+    name = key if "lm_head" in key else "model." + key
+    for shard, fused in (
+        (".q_proj", ".qkv_proj"),
+        (".k_proj", ".qkv_proj"),
+        (".v_proj", ".qkv_proj"),
+        (".gate_proj", ".gate_up_proj"),
+        (".up_proj", ".gate_up_proj"),
+    ):
+        if shard in name:
+            return name.replace(shard, fused)
+    return name
+
+
+@pytest.mark.parametrize("fc_bias,num_layers", [(True, 1), (False, 1), (True, 2)])
+def test_sglang_export_fills_every_parameter_its_loader_builds(target, tmp_path, fc_bias, num_layers):
+    """No key SGLang would warn about or skip, and no parameter of its module left unloaded."""
+    out = export_head(make_head(target, fc_bias=fc_bias, num_layers=num_layers), "sglang", tmp_path / "sg")
+    config = json.loads((out / "config.json").read_text())
+    loaded = {sglang_loaded_name(k) for k in load_file(str(out / "model.safetensors"))}
+    assert loaded == sglang_parameters(config)
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["hidden_act"] == "silu"
+
+
+def test_sglang_refuses_what_its_layer_cannot_hold(target, tmp_path):
+    head = make_head(target)
+    head.config.mlp_bias = True
+    with pytest.raises(ValueError, match="SGLang's LlamaMLP has no biases"):
+        export_head(head, "sglang", tmp_path / "sg")

@@ -1,0 +1,1 @@
+"""Serving engines as a second opinion: run a head in a real engine (vLLM) and compare."""

@@ -1,0 +1,118 @@
+"""What the engine tests share: vLLM's environment (skipped without it), the head_dim-32 stories260K, a
+small head trained here (reused from runs/engine_tests/ on a rerun), its exports, and the prompts.
+
+Everything is written under runs/engine_tests/ inside the repository (gitignored): nothing is cached
+outside it, so a fresh clone trains the head once (about three minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle_train.config.base import to_schema
+from eagle_train.config.train import TrainConfig
+from eagle_train.engines.vllm_engine import DEFAULT_PYTHON
+from eagle_train.entry import compose
+from eagle_train.modeling.checkpoint import load_head
+from eagle_train.modeling.reexpress import widen_model_dir
+from eagle_train.modeling.target import load_target
+from tests.conftest import REPO_ROOT
+
+WORK = REPO_ROOT / "runs" / "engine_tests"
+HEAD_DIM = 32  # vLLM's CPU attention: 32, 64, 80, 96, 112, 128, ...
+TRAIN_STEPS = 1000
+MAX_NEW_TOKENS = 64
+# The first sentences of ten TinyStories-like prompts, tokenized by the target at session start.
+PROMPT_TEXTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "One day, a big dog saw a red ball in the park.",
+    "Tom and his mom went to the store to buy some food.",
+    "The sun was shining and the birds were singing.",
+    "Once upon a time, there was a small cat who liked to play.",
+    "Ben had a new toy car that he loved very much.",
+    "It was a cold winter day and the snow was falling.",
+    "Sara wanted to help her dad in the garden.",
+    "A little bird lived in a tall tree near the river.",
+    "Max was sad because he lost his favorite hat.",
+]
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    python = Path(os.environ.get("EAGLE_TRAIN_VLLM_PYTHON", REPO_ROOT / DEFAULT_PYTHON))
+    if not os.access(python, os.X_OK):
+        pytest.skip(
+            f"vLLM's environment is absent ({python}): `make test-engines` builds .venv-vllm and runs these"
+        )
+    return python
+
+
+@pytest.fixture(scope="session")
+def wide_target_dir(target_cfg, engine_python) -> Path:
+    """stories260K re-expressed with head_dim 32 (rebuilt each session: a second)."""
+    return widen_model_dir(target_cfg.path, WORK / f"stories260K-hd{HEAD_DIM}", HEAD_DIM)
+
+
+@pytest.fixture(scope="session")
+def wide_target(target_cfg, wide_target_dir):
+    return load_target(
+        dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir))
+    )
+
+
+@pytest.fixture(scope="session")
+def trained_ckpt(engine_python) -> Path:
+    """A small head trained online on TinyStories conversations (fc bias on, so the export folds it);
+    an earlier session's finished head is reused."""
+    from eagle_train.train import run
+
+    out = WORK / "head"
+    final = out / "final"
+    done = (final / "config.json").is_file() and read_json(final / "config.json")["eagle_train"].get(
+        "step"
+    ) == TRAIN_STEPS
+    if not done:
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = compose(
+            "train",
+            overrides=[
+                "+recipe=stories260k_cpu",
+                "data.source=online",
+                "data.limit=3000",
+                f"max_steps={TRAIN_STEPS}",
+                "eval_every=0",
+                "save_every=0",
+                "progress=false",
+                f"out_dir={out}",
+            ],
+        )
+        run(to_schema(cfg, TrainConfig))
+    return final
+
+
+@pytest.fixture(scope="session")
+def trained_head(trained_ckpt, target):
+    head, _ = load_head(trained_ckpt)
+    head.share_target_weights(target.embed_tokens, target.lm_head)
+    return head.eval()
+
+
+@pytest.fixture(scope="session")
+def prompts(target) -> list[list[int]]:
+    """Prompt token ids (BOS + text), the same for every engine."""
+    return [target.tokenizer.encode(text) for text in PROMPT_TEXTS]
+
+
+def fresh_dir(name: str) -> Path:
+    path = WORK / name
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
