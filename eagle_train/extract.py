@@ -1,4 +1,5 @@
-"""Stage 1: run the frozen target over ShareGPT conversations and store its last hidden states.
+"""Stage 1: run the frozen target over ShareGPT conversations and store its last hidden states
+(with `aux=true` also the inputs of `target.aux_layers`, EAGLE-3's features).
 
     python -m eagle_train.extract data.path=FILE out_dir=DIR [target=...] [dtype=float16]
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m eagle_train.extract ...
@@ -88,8 +89,9 @@ def tokenize(
 
 
 def store_identity(cfg: ExtractConfig, target: Target, data: Conversations) -> dict[str, Any]:
-    """The manifest fields that decide the store's contents (a rerun must match them)."""
-    return {
+    """The manifest fields that decide the store's contents (a rerun must match them). `aux_layers`
+    appears only in a store that holds them, so an EAGLE-1 store's identity is what it always was."""
+    identity = {
         "schema_version": SCHEMA_VERSION,
         "target": {
             "name": cfg.target.name,
@@ -107,6 +109,9 @@ def store_identity(cfg: ExtractConfig, target: Target, data: Conversations) -> d
         "max_len": data.max_len,
         "data": data.source,
     }
+    if cfg.aux:
+        identity["aux_layers"] = target.aux_layers
+    return identity
 
 
 def extract_rows(
@@ -117,16 +122,19 @@ def extract_rows(
     dtype: torch.dtype,
     attention_mask: bool = False,
     on_batch: Callable[[int, int], None] | None = None,
+    aux_layers: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Features of a slice of tokenized conversations, in the slice's order.
 
     rows: columns id, input_ids, loss_mask (lists). Conversations are batched by length and right-padded;
     only the real tokens' hidden states are kept. Returns one dict per conversation with "hidden"
-    [L, hidden] in `dtype` on the CPU. `on_batch(conversations, tokens)` is called after each forward.
+    [L, hidden] in `dtype` on the CPU (and with `aux_layers` "aux" [L, 3 * hidden], the inputs of those
+    layers). `on_batch(conversations, tokens)` is called after each forward.
     `attention_mask` passes the (unneeded) padding mask anyway: the benchmark's comparison.
     """
     lengths = [len(ids) for ids in rows["input_ids"]]
     hidden_out: list[torch.Tensor | None] = [None] * len(lengths)
+    aux_out: list[torch.Tensor | None] = [None] * len(lengths)
     for batch in bucket_batches(lengths, max_tokens=max_tokens, max_batch_size=max_batch_size):
         longest = max(lengths[i] for i in batch)
         input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [b, T], right padding
@@ -138,15 +146,20 @@ def extract_rows(
         mask = (
             torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]
         ).long()  # [b, T]
-        hidden = target.hidden_states(
-            input_ids.to(target.device), mask.to(target.device) if attention_mask else None
-        )
+        ids, pad_mask = input_ids.to(target.device), mask.to(target.device) if attention_mask else None
+        if aux_layers is None:
+            hidden, aux = target.hidden_states(ids, pad_mask), None
+        else:
+            hidden, aux = target.aux_hidden_states(ids, pad_mask, aux_layers)
+            aux = aux.to(dtype).cpu()  # [b, T, 3 * hidden]
         hidden = hidden.to(dtype).cpu()  # [b, T, hidden]
         for row, i in enumerate(batch):
             hidden_out[i] = hidden[row, : lengths[i]].clone()  # [L, hidden]: the real tokens only
+            if aux is not None:
+                aux_out[i] = aux[row, : lengths[i]].clone()  # [L, 3 * hidden]
         if on_batch is not None:
             on_batch(len(batch), sum(lengths[i] for i in batch))
-    return [
+    samples = [
         {
             "id": rows["id"][i],
             "input_ids": rows["input_ids"][i],
@@ -155,6 +168,10 @@ def extract_rows(
         }
         for i, h in enumerate(hidden_out)
     ]
+    if aux_layers is not None:
+        for sample, aux in zip(samples, aux_out, strict=True):
+            sample["aux"] = aux
+    return samples
 
 
 def extract_shards(
@@ -186,7 +203,13 @@ def extract_shards(
         begin, end = plan[k]
         rows = data.dataset[begin:end]
         samples = extract_rows(
-            target, rows, cfg.max_tokens, cfg.max_batch_size, HIDDEN_DTYPES[cfg.dtype], on_batch=on_batch
+            target,
+            rows,
+            cfg.max_tokens,
+            cfg.max_batch_size,
+            HIDDEN_DTYPES[cfg.dtype],
+            on_batch=on_batch,
+            aux_layers=target.aux_layers if cfg.aux else None,
         )
         extra = {**shard_extra(plan[k]), "process": accelerator.process_index}
         write_shard(out_dir, k, samples, cfg.dtype, target.vocab_size, extra=extra)
@@ -210,7 +233,8 @@ def run(cfg: ExtractConfig) -> Path:
     if accelerator.is_main_process:
         prepare_out_dir(out_dir, identity, cfg.overwrite)
     accelerator.wait_for_everyone()
-    bytes_per_token = target.hidden_size * HIDDEN_DTYPES[cfg.dtype].itemsize
+    states = 1 + (len(target.aux_layers) if cfg.aux else 0)  # hidden states stored per token
+    bytes_per_token = states * target.hidden_size * HIDDEN_DTYPES[cfg.dtype].itemsize
     plan = plan_shards(data.lengths, bytes_per_token, cfg.shard_samples, cfg.shard_bytes)
     extract_shards(cfg, target, data, plan, accelerator)
     accelerator.wait_for_everyone()

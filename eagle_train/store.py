@@ -12,7 +12,10 @@ Layout of a store directory (written by `python -m eagle_train.extract`, read by
 A shard holds four tensors: `hidden` [total_tokens, hidden] in the stored dtype, `input_ids` [total_tokens]
 (uint16 when the vocabulary fits, else int32), `loss_mask` [total_tokens] uint8 and `offsets`
 [num_samples + 1] int64 (sample i is rows offsets[i]:offsets[i+1]); the sample ids are a JSON list in the
-safetensors metadata (`ids`). Only real tokens are stored, never padding.
+safetensors metadata (`ids`). Only real tokens are stored, never padding. A store for EAGLE-3 heads
+(manifest `aux_layers`: the target layers whose inputs it holds) has a fifth, `aux` [total_tokens,
+3 * hidden]: 4 hidden states per token, 4x the bytes. Without `aux_layers` the layout is exactly the
+EAGLE-1 one (schema 1).
 
 `FeatureStore` reads a store with random access: each shard file is memory-mapped (numpy memmap of the
 safetensors data region) on first use, so a sample costs one copy of its own rows, never a shard load.
@@ -151,7 +154,9 @@ def prepare_out_dir(out_dir: str | Path, identity: dict[str, Any], overwrite: bo
     for name in (MANIFEST_NAME, STORE_CONFIG_NAME):
         if (out_dir / name).is_file():
             existing = json.loads((out_dir / name).read_text())
-            diffs = mismatches(content_key(identity), content_key({k: existing.get(k) for k in identity}))
+            # `aux_layers` is compared even when this run has none: an EAGLE-3 store is not an EAGLE-1 one
+            fields = [*identity, *(["aux_layers"] if "aux_layers" in existing else [])]
+            diffs = mismatches(content_key(identity), content_key({k: existing.get(k) for k in fields}))
             if diffs and not overwrite:
                 raise StoreMismatchError(
                     f"{out_dir} holds a feature store made with a different config ({name}): "
@@ -231,8 +236,9 @@ def write_shard(
 ) -> dict[str, Any]:
     """Write shard `index` atomically, then its sidecar; return the sidecar (shard info).
 
-    samples: dicts with "id" (str), "input_ids" (int [L]), "loss_mask" (bool/int [L]) and
-    "hidden" (float [L, hidden]). `extra` (e.g. the sample range) goes into the sidecar.
+    samples: dicts with "id" (str), "input_ids" (int [L]), "loss_mask" (bool/int [L]),
+    "hidden" (float [L, hidden]) and optionally "aux" (float [L, 3 * hidden], every sample or none).
+    `extra` (e.g. the sample range) goes into the sidecar.
     """
     out_dir = Path(out_dir)
     if not samples:
@@ -246,6 +252,10 @@ def write_shard(
         "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"]).bool() for s in samples]).to(torch.uint8),
         "offsets": offsets,
     }
+    if "aux" in samples[0]:
+        tensors["aux"] = torch.cat([torch.as_tensor(s["aux"]) for s in samples]).to(
+            HIDDEN_DTYPES[hidden_dtype]
+        )
     metadata = {"ids": json.dumps([str(s["id"]) for s in samples]), "schema_version": str(SCHEMA_VERSION)}
     final = out_dir / shard_name(index)
     with atomic_path(final) as tmp:
@@ -353,7 +363,8 @@ class FeatureStore:
 
     `manifest` is the parsed manifest.json; `ids` and `lengths` come from the shard headers (no hidden
     state is read); `store[i]` returns {"id", "input_ids" LongTensor[L], "loss_mask" BoolTensor[L],
-    "hidden" Tensor[L, hidden] in the stored dtype}. Picklable (for DataLoader workers): the memory maps
+    "hidden" Tensor[L, hidden] in the stored dtype} (+ "aux" Tensor[L, 3 * hidden] when the store holds
+    the inputs of `aux_layers`). Picklable (for DataLoader workers): the memory maps
     are reopened lazily in each process.
     """
 
@@ -387,25 +398,44 @@ class FeatureStore:
         shard = _Shard(file)
         if len(shard.ids) != info["num_samples"]:
             raise StoreError(f"{file}: {len(shard.ids)} samples, manifest says {info['num_samples']}")
+        if self.manifest.get("aux_layers") and "aux" not in shard.header:
+            raise StoreError(f"{file}: the manifest names aux_layers but the shard has no `aux` tensor")
         return shard
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def _locate(self, i: int) -> tuple[_Shard, int, int, int]:
+        """(shard, index in the shard, first row, end row) of sample i."""
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a store of {len(self)}")
         s = int(np.searchsorted(self._starts, i, side="right")) - 1
         shard, j = self._shards[s], i - int(self._starts[s])
-        begin, end = int(shard.offsets[j]), int(shard.offsets[j + 1])
-        return {
+        return shard, j, int(shard.offsets[j]), int(shard.offsets[j + 1])
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i's input_ids LongTensor[L] and loss_mask BoolTensor[L], without its hidden states."""
+        shard, _, begin, end = self._locate(i)
+        return shard.rows("input_ids", begin, end).long(), shard.rows("loss_mask", begin, end).bool()
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        shard, j, begin, end = self._locate(i)
+        sample = {
             "id": shard.ids[j],
             "input_ids": shard.rows("input_ids", begin, end).long(),  # [L]
             "loss_mask": shard.rows("loss_mask", begin, end).bool(),  # [L]
             "hidden": shard.rows("hidden", begin, end),  # [L, hidden]
         }
+        if self.aux_layers:
+            sample["aux"] = shard.rows("aux", begin, end)  # [L, 3 * hidden]
+        return sample
+
+    @property
+    def aux_layers(self) -> list[int]:
+        """The target layers whose inputs the store holds (EAGLE-3's features); [] for an EAGLE-1 store."""
+        return list(self.manifest.get("aux_layers") or [])
 
     @property
     def hidden_dtype(self) -> torch.dtype:

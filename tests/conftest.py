@@ -75,3 +75,19 @@ def tiny_store(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
     data = DataConfig(name="tinystories", path=str(tiny_conversations))
     extract(ExtractConfig(target=target_cfg, data=data, out_dir=str(out), dtype="float32", progress=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_store_aux(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
+    """The same conversations with EAGLE-3's features too (aux=true: the inputs of layers 1, 2, 4)."""
+    from eagle_train.config.data import DataConfig
+    from eagle_train.config.extract import ExtractConfig
+    from eagle_train.extract import run as extract
+
+    out = tmp_path_factory.mktemp("store_aux") / "features"
+    data = DataConfig(name="tinystories", path=str(tiny_conversations))
+    cfg = ExtractConfig(
+        target=target_cfg, data=data, out_dir=str(out), dtype="float32", progress=False, aux=True
+    )
+    extract(cfg)
+    return out

@@ -2,7 +2,9 @@
 
 `load_target` loads any Hugging Face causal LM (local directory or hub id) frozen and in eval mode;
 `Target.features` returns the logits and the last hidden state, the LM head's input (EAGLE's feature
-f_j). This module and `draft.py` are the only importers of `transformers` in the package.
+f_j); `Target.aux_hidden_states` adds EAGLE-3's features, the inputs of the decoder layers
+`Target.aux_layers` concatenated (Hugging Face's `hidden_states[i]` is the input of layer i, pre-norm,
+the same as vLLM's and SGLang's aux hidden state i). Only `modeling/*` imports `transformers`.
 
 Decode time (used by `eagle_train.decoding.decoder`): `Target.new_cache` preallocates a `StaticKVCache`;
 `Target.decode` runs the stock model on new tokens with explicit position ids and a 4-D boolean
@@ -31,7 +33,7 @@ from transformers import (
 )
 
 from eagle_train.config.base import resolve_path
-from eagle_train.config.target import TargetConfig
+from eagle_train.config.target import TargetConfig, resolve_aux_layers
 from eagle_train.kv_cache import StaticKVCache, attention_shape
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +93,15 @@ class Target:
         return min(requested or self.max_len, self.max_len)
 
     @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @functools.cached_property
+    def aux_layers(self) -> list[int]:
+        """EAGLE-3's feature layers: `target.aux_layers` checked against this target, or the default."""
+        return resolve_aux_layers(self.cfg.aux_layers, self.num_layers)
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
@@ -140,6 +151,17 @@ class Target:
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
 
+    @torch.no_grad()
+    def aux_hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden state [batch, seq, hidden] and the inputs of `layers` concatenated in that
+        order [batch, seq, len(layers) * hidden] (EAGLE-3's features), from one forward."""
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True
+        )
+        return out.last_hidden_state, select_layers(out.hidden_states, layers)
+
     def new_cache(self, capacity: int) -> StaticKVCache:
         """A preallocated KV cache for one sequence of up to `capacity` tokens."""
         config = self.model.config
@@ -160,15 +182,19 @@ class Target:
         position_ids: torch.Tensor,  # [1, q]: their positions (prefix length + depth for a tree)
         attention_mask: torch.Tensor,  # bool [1, 1, q, cache.seq_len + q], True = attend
         cache: StaticKVCache,
+        aux_layers: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward of the stock model over new tokens. Their keys/values are written after
         the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
-        Returns (logits [1, q, vocab], hidden [1, q, hidden]); hidden is the feature f (after the norm)."""
+        Returns (logits [1, q, vocab], features): the last hidden state [1, q, hidden] (EAGLE-1's f,
+        after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3)."""
         if self.model.config._attn_implementation == "eager":
             zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
             attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
         decoder, cache_kwarg, lm_head = self._decode_modules
         kwargs = {cache_kwarg: HFCacheView(cache)}
+        if aux_layers is not None:
+            kwargs["output_hidden_states"] = True
         out = decoder(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -176,8 +202,10 @@ class Target:
             use_cache=True,
             **kwargs,
         )
-        hidden = out.last_hidden_state
-        return lm_head(hidden), hidden
+        logits = lm_head(out.last_hidden_state)
+        return logits, out.last_hidden_state if aux_layers is None else select_layers(
+            out.hidden_states, aux_layers
+        )
 
     @functools.cached_property
     def _decode_modules(self) -> tuple[nn.Module, str, nn.Module]:
@@ -185,6 +213,12 @@ class Target:
         signature check and `get_output_embeddings` cost tens of microseconds per forward."""
         decoder = self.decoder
         return decoder, _cache_kwarg(type(decoder)), self.lm_head
+
+
+def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
+    """Hugging Face's `hidden_states` (index i < L: the input of layer i) -> the chosen inputs
+    concatenated along the hidden axis [batch, seq, len(layers) * hidden]."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 class HFCacheView:
