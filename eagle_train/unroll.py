@@ -20,13 +20,14 @@ from eagle_train.loss import shift_left
 
 
 class DiagonalCache:
-    """Per layer, the keys/values of every unrolled step so far ([batch, kv_heads, n, head_dim] each);
-    `attend` adds this step's and returns the prefix + diagonal attention. The draft head's attention
-    calls `attend` instead of running its own attention when handed this cache."""
+    """Per layer, the keys/values of every unrolled step so far (expanded to the query heads once, when
+    they are added); `attend` adds this step's and returns the prefix + diagonal attention. The draft
+    head's attention calls `attend` instead of running its own attention when handed this cache."""
 
     def __init__(self) -> None:
-        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.keys: dict[int, list[torch.Tensor]] = {}  # [batch, heads, n, head_dim] per step
         self.values: dict[int, list[torch.Tensor]] = {}
+        self.future: torch.Tensor | None = None  # [n, n] bool, True above the diagonal
 
     def attend(
         self,
@@ -36,23 +37,23 @@ class DiagonalCache:
         v: torch.Tensor,  # [batch, kv_heads, n, head_dim]
     ) -> torch.Tensor:
         """Attention output [batch, heads, n, head_dim] of this step's queries."""
-        keys = self.keys.setdefault(layer_idx, [])
-        values = self.values.setdefault(layer_idx, [])
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        keys, values = self.keys.setdefault(layer_idx, []), self.values.setdefault(layer_idx, [])
         keys.append(k)
         values.append(v)
-        groups = q.shape[1] // k.shape[1]
-        keys = [x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in keys]
-        values = [x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in values]
-        n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
-        prefix = (q @ keys[0].transpose(-1, -2)) * scale  # [b, h, n, n]: step 0's keys
-        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        prefix = prefix.masked_fill(future, float("-inf"))
-        diagonal = [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]  # [b, h, n, 1] each
-        scores = torch.cat([prefix, *diagonal], dim=-1)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        n, q = q.shape[2], q * (1.0 / math.sqrt(q.shape[-1]))  # scaled once, before every product
+        if self.future is None or self.future.shape[0] != n:
+            self.future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(self.future, float("-inf"))]  # [b, h, n, n]
+        if len(keys) > 1:  # this query with its own key at steps 1..k: [b, h, n, k]
+            scores.append((q.unsqueeze(-2) * torch.stack(keys[1:], dim=-2)).sum(-1))
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1, dtype=dtype).to(q.dtype)
         out = weights[..., :n] @ values[0]
-        for i, value in enumerate(values[1:]):
-            out = out + weights[..., n + i : n + i + 1] * value
+        if len(keys) > 1:
+            out = out + (weights[..., n:].unsqueeze(-1) * torch.stack(values[1:], dim=-2)).sum(-2)
         return out
 
 
