@@ -363,13 +363,13 @@ class FeatureStore:
 
     `manifest` is the parsed manifest.json; `ids` and `lengths` come from the shard headers (no hidden
     state is read); `store[i]` returns {"id", "input_ids" LongTensor[L], "loss_mask" BoolTensor[L],
-    "hidden" Tensor[L, hidden] in the stored dtype} (+ "aux" Tensor[L, 3 * hidden] when the store holds
-    the inputs of `aux_layers`). Picklable (for DataLoader workers): the memory maps
+    "hidden" Tensor[L, hidden] in the stored dtype} (+ "aux" Tensor[L, 3 * hidden] when opened with
+    `aux=True`: the inputs of `aux_layers`, EAGLE-3's features; an EAGLE-1 run never reads them). Picklable (for DataLoader workers): the memory maps
     are reopened lazily in each process.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, aux: bool = False):
+        self.path, self.aux = Path(path), aux
         manifest_file = self.path / MANIFEST_NAME
         if not manifest_file.is_file():
             hint = (
@@ -428,7 +428,9 @@ class FeatureStore:
             "loss_mask": shard.rows("loss_mask", begin, end).bool(),  # [L]
             "hidden": shard.rows("hidden", begin, end),  # [L, hidden]
         }
-        if self.aux_layers:
+        if self.aux:
+            if not self.aux_layers:
+                raise StoreError(f"{self.path}: no aux features (extracted without aux=true)")
             sample["aux"] = shard.rows("aux", begin, end)  # [L, 3 * hidden]
         return sample
 

@@ -160,7 +160,7 @@ def test_aux_layers_are_extracted_for_eagle3(target_cfg, target, tmp_path):
             target_cfg, aux, path=FASTCHAT, limit=6, max_len=96, dtype="float32", max_tokens=256, aux=True
         )
     )
-    one, four = FeatureStore(plain), FeatureStore(aux)
+    one, four = FeatureStore(plain), FeatureStore(aux, aux=True)
     assert four.aux_layers == target.aux_layers == [1, 2, 4] and one.aux_layers == []
     assert "aux_layers" not in one.manifest  # an EAGLE-1 store is what it always was
     for i in range(len(four)):

@@ -197,7 +197,7 @@ def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
     prepare_out_dir(tmp_path, identity, overwrite=False)
     info = write_shard(tmp_path, 0, samples, "float32", 512, extra={"start": 0, "stop": 3})
     write_manifest(tmp_path, identity, [(0, 3)], {}, "h")
-    store = FeatureStore(tmp_path)
+    store = FeatureStore(tmp_path, aux=True)
     assert store.aux_layers == [1, 2, 4] and info["bytes"] > 15 * 4 * HIDDEN * 4
     for i, s in enumerate(samples):
         assert torch.equal(store[i]["aux"], s["aux"]) and torch.equal(store[i]["hidden"], s["hidden"])
@@ -207,6 +207,9 @@ def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
     build_store(plain, make_samples([4]), [(0, 1)])
     write_manifest(plain, IDENTITY, [(0, 1)], {}, "h")
     assert FeatureStore(plain).aux_layers == [] and "aux" not in FeatureStore(plain)[0]
+    assert "aux" not in FeatureStore(tmp_path)[0]  # an EAGLE-1 run reads an EAGLE-3 store's hidden states only
+    with pytest.raises(StoreError, match="no aux features"):
+        FeatureStore(plain, aux=True)[0]
     assert "aux_layers" not in json.loads((plain / MANIFEST_NAME).read_text())
     # the same directory re-extracted without aux layers (or with others) is another store
     with pytest.raises(StoreMismatchError, match=r"aux_layers: expected None, found \[1, 2, 4\]"):

@@ -234,3 +234,12 @@ def test_eagle3_refuses_a_store_without_its_layers(tiny_store, tiny_store_aux, t
     ):
         run(make_cfg(tiny_store_aux, tmp_path / "run", *EAGLE3, "max_steps=1", "target.aux_layers=[0,2,4]"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_eagle1_head_trains_on_an_eagle3_store_exactly_as_on_its_own(tiny_store, tiny_store_aux, tmp_path):
+    """One store serves both heads: EAGLE-1 reads its last hidden states and never the aux features."""
+    args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0")
+    run(make_cfg(tiny_store, tmp_path / "plain", *args))
+    run(make_cfg(tiny_store_aux, tmp_path / "aux", *args))
+    plain, aux = read_metrics(tmp_path / "plain")[0], read_metrics(tmp_path / "aux")[0]
+    assert (plain["loss"], plain["smooth_l1"], plain["ce"]) == (aux["loss"], aux["smooth_l1"], aux["ce"])

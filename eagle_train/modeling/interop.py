@@ -20,13 +20,14 @@ What each consumer really loads (read from their loaders):
   carries that key.
 No layout has `layers.0.input_layernorm` or `lm_head`. Every config.json gets an `eagle_train` block
 with the target's id and the training maximum length, so a server or a user can warn beyond it.
+EAGLE-3 heads (their own layouts, and the `speculators` one) are written and read by
+`eagle_train.modeling.eagle3_layout`; `export_head` and `load_draft` hand them over.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,9 @@ from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("vllm", "sglang", "eagle")
+FORMATS = ("vllm", "sglang", "eagle", "speculators")
 BIN_NAME = "pytorch_model.bin"
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle", "eagle": "LlamaForCausalLM"}
-EAGLE3_KEYS = re.compile(r"^(model\.)?(midlayer\.|d2t$|t2d$)")
 # Llama config fields a head's config.json carries (the rest of a target's config is noise here).
 CONFIG_FIELDS = (
     "vocab_size",
@@ -92,7 +92,7 @@ def llama_config_dict(head: DraftHead, dtype: torch.dtype) -> dict[str, Any]:
     config.update(rope_fields(head.config))
     config.update(
         model_type="llama",
-        num_hidden_layers=len(head.layers),
+        num_hidden_layers=int(head.config.num_hidden_layers),
         tie_word_embeddings=False,
         use_cache=True,
         torch_dtype=TORCH_DTYPE_NAMES[dtype],
@@ -176,15 +176,27 @@ def export_head(
     embed_tokens: torch.Tensor | None = None,  # [vocab, hidden]: required for format=eagle
     dtype: torch.dtype | None = None,
     fold_bias: bool = True,
+    speculative_tokens: int = 3,  # format=speculators: K, the draft tokens vLLM proposes per step
 ) -> Path:
-    """Atomically write `head` to `out_dir` in the layout `fmt` (vllm | sglang | eagle) loads.
+    """Atomically write `head` to `out_dir` in the layout `fmt` (vllm | sglang | eagle | speculators) loads.
 
     vllm: a trained fc bias is folded into layer 0 (`fold_bias=True`) or refused. eagle: needs the
-    target's input embedding (the reference loads it strictly from the head's file).
+    target's input embedding (the reference loads it strictly from the head's file). speculators:
+    EAGLE-3 heads only (the format has no EAGLE-1 type).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     dtype = dtype or head.fc.weight.dtype
+    if head.kind == "eagle3":
+        from eagle_train.modeling.eagle3_layout import write_eagle3  # it builds on this module's helpers
+
+        llama = llama_config_dict(head, dtype)
+        info = {**(meta or {}), "format": fmt, "fc_bias": False}
+        if fmt == "eagle":
+            llama = reference_config(llama, False)
+        return write_eagle3(head, fmt, Path(out_dir), llama, info, dtype, embed_tokens, speculative_tokens)
+    if fmt == "speculators":
+        raise ValueError("format=speculators has no EAGLE-1 head type; export with format=vllm")
     state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in head.trainable_state_dict().items()}
     config = llama_config_dict(head, dtype)
     fc_bias = "fc.bias" in state
@@ -269,13 +281,9 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     raise FileNotFoundError(f"draft head {path}: no weights ({WEIGHTS_NAME} or {BIN_NAME})")
 
 
-def head_state(raw: dict[str, torch.Tensor], file: Path, arch: list[str]) -> dict[str, torch.Tensor]:
+def head_state(raw: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
     """fc.* and layers.* (a `model.` prefix stripped); embed_tokens/lm_head dropped (the target's are
-    used); an EAGLE-3 head refused."""
-    if any(EAGLE3_KEYS.match(k) for k in raw) or any("Eagle3" in a for a in arch):
-        raise ValueError(
-            f"{file}: this is an EAGLE-3 head (midlayer/d2t/t2d keys); only EAGLE-1/2 heads are supported yet"
-        )
+    used)."""
     state = {}
     for key, value in raw.items():
         key = key.removeprefix("model.")
@@ -333,12 +341,20 @@ def recorded_target(meta: dict[str, Any]) -> tuple[str | None, str | None]:
     return target, meta.get("target_source")
 
 
-def load_draft(path: str | Path, target, device: torch.device | str | None = None) -> DraftHead:
-    """Load an EAGLE-1/2 draft head for `target` (a `Target`) from this project's checkpoint, any
-    exported layout, or a reference head (pytorch_model.bin or model.safetensors + config.json).
+def warn_other_target(raw_config: dict[str, Any], target, path: Path) -> None:
+    """A warning when the head's config records another target than the one it is loaded for."""
+    trained_for, _ = recorded_target(raw_config.get("eagle_train", {}))
+    if trained_for and trained_for != target.cfg.name:
+        log.warning("draft head %s was trained for %r, loading it for %r", path, trained_for, target.cfg.name)
 
-    The target's embedding and LM head are shared into the head; it is returned in eval mode on the
-    target's device and dtype (or `device`).
+
+def load_draft(path: str | Path, target, device: torch.device | str | None = None):
+    """Load a draft head for `target` (a `Target`) from this project's checkpoint, any exported layout,
+    or a reference head (pytorch_model.bin or model.safetensors + config.json): EAGLE-1/2 heads
+    (`DraftHead`) and EAGLE-3 heads (`Eagle3Head`: the reference's, SpecForge's, speculators').
+
+    The target's embedding (EAGLE-1/2: and LM head) is shared into the head; it is returned in eval mode
+    on the target's device and dtype (or `device`).
     """
     path = Path(path)
     if not path.is_dir():
@@ -351,12 +367,16 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from err
     raw_state, file = read_weights(path)
-    state = head_state(raw_state, file, list(raw_config.get("architectures") or []))
+    from eagle_train.modeling.eagle3_layout import is_eagle3, llama_shape, load_eagle3
+
+    if is_eagle3(raw_config, raw_state):
+        head = load_eagle3(raw_config, raw_state, file, target, llama_shape(raw_config, CONFIG_FIELDS))
+        warn_other_target(raw_config, target, path)
+        return head.to(device or target.device, target.dtype).eval()
+    state = head_state(raw_state, file)
     config = head_config(raw_config, state)
     check_matches_target(config, state, target, file)
-    trained_for, _ = recorded_target(raw_config.get("eagle_train", {}))
-    if trained_for and trained_for != target.cfg.name:
-        log.warning("draft head %s was trained for %r, loading it for %r", path, trained_for, target.cfg.name)
+    warn_other_target(raw_config, target, path)
     head = DraftHead(config, fc_bias="fc.bias" in state)
     try:
         missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)

@@ -43,7 +43,7 @@ def open_store(
     those layers."""
     if path is None:
         raise ValueError("offline training needs `features=DIR`")
-    store = FeatureStore(path)
+    store = FeatureStore(path, aux=aux_layers is not None)
     store.check_compatible(target_identity(target, hf_config))
     if aux_layers is not None and store.aux_layers != aux_layers:
         held = f"the inputs of target layers {store.aux_layers}" if store.aux_layers else "no aux layers"
