@@ -99,6 +99,13 @@ class Eagle3Head(nn.Module):
     ) -> Eagle3Head:
         return cls(draft_llama_config(target_config, 1), aux_layers, draft_vocab_size, fc_norm, norm_output)
 
+    def with_config(self, config: LlamaConfig) -> Eagle3Head:
+        """An untrained head of this one's kind (aux layers, vocabulary size, switches) for `config`."""
+        return Eagle3Head(
+            config, self.aux_layers, self.draft_vocab_size, self.fc_norm_enabled, self.norm_output,
+            self.target_hidden_size,
+        )  # fmt: skip
+
     @property
     def fc_norm_enabled(self) -> bool:
         return self.fc_norm is not None
