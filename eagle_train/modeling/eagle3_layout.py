@@ -1,7 +1,7 @@
 """EAGLE-3 heads in other projects' layouts: the export writers and the importer (`interop.export_head`
 and `interop.load_draft` hand EAGLE-3 heads to this module).
 
-What each consumer loads (read from their loaders; ../shared/EAGLE.md, "EAGLE-3"):
+What each consumer loads (read from their loaders; the EAGLE notes' "EAGLE-3" section):
 - vLLM (`model_executor/models/llama_eagle3.py`, `method: eagle3`): config `architectures:
   ["LlamaForCausalLMEagle3"]` (or Eagle3LlamaForCausalLM), `draft_vocab_size`, the aux layer ids at the
   top level or in `eagle_config`, `fc_norm`, `norm_output`; weights `midlayer.*` (mapped to layers.0),
@@ -33,7 +33,6 @@ from transformers import LlamaConfig
 
 from eagle_train.config.target import reference_aux_layers, resolve_aux_layers
 from eagle_train.files import atomic_write_dir
-from eagle_train.kv_cache import attention_shape
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from eagle_train.modeling.eagle3 import (
     EAGLE3_FIELDS,
@@ -240,19 +239,3 @@ def load_eagle3(
         with torch.no_grad():
             head.embed_tokens.weight.copy_(embed.float())
     return head
-
-
-def llama_shape(raw: dict[str, Any], fields: tuple[str, ...]) -> LlamaConfig:
-    """The Llama config of an EAGLE-3 head's config.json (one layer, RoPE in either spelling)."""
-    raw = flat_config(raw)
-    kwargs = {k: raw[k] for k in fields if raw.get(k) is not None}
-    if raw.get("rope_parameters"):
-        kwargs["rope_parameters"] = raw["rope_parameters"]
-    else:
-        kwargs["rope_theta"] = raw.get("rope_theta", 10000.0)
-        if raw.get("rope_scaling"):
-            kwargs["rope_scaling"] = raw["rope_scaling"]
-    kwargs["num_hidden_layers"] = 1
-    shape = attention_shape(kwargs)
-    kwargs.update(head_dim=shape.head_dim, num_key_value_heads=shape.kv_heads)
-    return LlamaConfig(**kwargs, tie_word_embeddings=False)

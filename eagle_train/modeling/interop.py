@@ -194,6 +194,8 @@ def export_head(
         info = {**(meta or {}), "format": fmt, "fc_bias": False}
         if fmt == "eagle":
             llama = reference_config(llama, False)
+        if fmt == "sglang":
+            check_sglang_representable(llama)
         return write_eagle3(head, fmt, Path(out_dir), llama, info, dtype, embed_tokens, speculative_tokens)
     if fmt == "speculators":
         raise ValueError("format=speculators has no EAGLE-1 head type; export with format=vllm")
@@ -297,8 +299,9 @@ def head_state(raw: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tens
     return state
 
 
-def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> LlamaConfig:
-    """The head's Llama config from its config.json; the layer count is taken from the weights."""
+def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor] | None = None) -> LlamaConfig:
+    """The head's Llama config from its config.json; the layer count is taken from the weights (EAGLE-3
+    heads, `state` None: one layer, the midlayer)."""
     kwargs = {k: raw[k] for k in CONFIG_FIELDS if raw.get(k) is not None}
     if raw.get("rope_parameters"):
         kwargs["rope_parameters"] = raw["rope_parameters"]
@@ -308,7 +311,8 @@ def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> LlamaCon
             kwargs["rope_scaling"] = raw["rope_scaling"]
     if "qkv_bias" in raw and not kwargs.get("attention_bias"):
         raise ValueError("config.json: qkv_bias (q/k/v biases without o_proj) is not supported")
-    kwargs["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    layers = [int(k.split(".")[1]) for k in state or {} if k.startswith("layers.")]
+    kwargs["num_hidden_layers"] = 1 + max(layers, default=0)
     shape = attention_shape(kwargs)
     kwargs.update(head_dim=shape.head_dim, num_key_value_heads=shape.kv_heads)
     return LlamaConfig(**kwargs, tie_word_embeddings=False)
@@ -367,10 +371,10 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from err
     raw_state, file = read_weights(path)
-    from eagle_train.modeling.eagle3_layout import is_eagle3, llama_shape, load_eagle3
+    from eagle_train.modeling.eagle3_layout import flat_config, is_eagle3, load_eagle3
 
     if is_eagle3(raw_config, raw_state):
-        head = load_eagle3(raw_config, raw_state, file, target, llama_shape(raw_config, CONFIG_FIELDS))
+        head = load_eagle3(raw_config, raw_state, file, target, head_config(flat_config(raw_config)))
         warn_other_target(raw_config, target, path)
         return head.to(device or target.device, target.dtype).eval()
     state = head_state(raw_state, file)

@@ -84,10 +84,7 @@ def train_head(target, steps: int = 250, seq_len: int = 128, batch: int = 8, lr:
 def _train(target, steps, seq_len, batch, lr):
     from eagle_train.modeling.draft import DraftHead
 
-    text = (DATA / "tinystories" / "tinystories_val_head.txt").read_text()
-    ids = torch.tensor(target.tokenizer(text[:60_000])["input_ids"])
-    n = (ids.numel() // seq_len) * seq_len
-    rows = ids[:n].view(-1, seq_len)
+    rows = _tinystories_rows(target, seq_len)
     logits, feats = target.features(rows)  # [rows, seq, vocab], [rows, seq, hidden]
     head = DraftHead.from_target(target.config)
     head.share_target_weights(target.embed_tokens, target.lm_head)

@@ -11,14 +11,9 @@ from eagle_train.kv_cache import StaticKVCache
 from eagle_train.modeling.draft import DraftHead
 
 
-@pytest.mark.parametrize(
-    "num_layers, kv_heads, fc_bias, attention_bias",
-    [(1, 2, True, False), (2, 4, False, False), (1, 2, False, True)],
-)
-@torch.no_grad()
-def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias, attention_bias):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+def config(kv_heads: int, attention_bias: bool = False) -> LlamaConfig:
+    """A small Llama shape (4 heads of 8, kv_heads key/value heads) for the heads under test."""
+    return LlamaConfig(
         vocab_size=50,
         hidden_size=32,
         intermediate_size=40,
@@ -27,8 +22,20 @@ def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias, attenti
         head_dim=8,
         max_position_embeddings=128,
         attention_bias=attention_bias,
+        num_hidden_layers=1,
     )
-    head = DraftHead.from_target(cfg, num_layers=num_layers, fc_bias=fc_bias).eval()
+
+
+@pytest.mark.parametrize(
+    "num_layers, kv_heads, fc_bias, attention_bias",
+    [(1, 2, True, False), (2, 4, False, False), (1, 2, False, True)],
+)
+@torch.no_grad()
+def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias, attention_bias):
+    torch.manual_seed(0)
+    head = DraftHead.from_target(
+        config(kv_heads, attention_bias), num_layers=num_layers, fc_bias=fc_bias
+    ).eval()
     for layer in head.layers:  # non-trivial norms and biases (the vLLM export folds an fc bias into them)
         layer.post_attention_layernorm.weight.data.uniform_(0.5, 1.5)
         for proj in (
@@ -74,17 +81,7 @@ def test_lean_eagle3_forward_equals_head_forward(fc_norm, norm_output, kv_heads)
     from eagle_train.modeling.eagle3 import Eagle3Head
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=40,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        head_dim=8,
-        max_position_embeddings=128,
-        num_hidden_layers=1,
-    )
-    head = Eagle3Head(cfg, [0, 1, 2], 20, fc_norm=fc_norm, norm_output=norm_output).eval()
+    head = Eagle3Head(config(kv_heads), [0, 1, 2], 20, fc_norm=fc_norm, norm_output=norm_output).eval()
     for name, p in head.named_parameters():
         if "norm" in name:
             p.data.uniform_(0.5, 1.5)

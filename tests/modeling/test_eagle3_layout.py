@@ -13,6 +13,7 @@ from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.interop import export_head, load_draft, load_input_embedding
 from tests.conftest import STORIES260K
+from tests.modeling.test_interop import reference_config_json
 
 D, V, VD = 64, 512, 256
 KEPT = torch.arange(0, 512, 2)  # a 256-token draft vocabulary: the even ids
@@ -193,31 +194,16 @@ def test_project_checkpoint_round_trip(target, tmp_path):
 
 def reference_eagle3_config(**extra) -> dict:
     """config.json as the reference (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) and SpecForge
-    (configs/llama3-8B-eagle3.json) publish it: no aux layer ids, transformers-4 keys."""
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "hidden_act": "silu",
-        "hidden_size": D,
-        "initializer_range": 0.02,
-        "intermediate_size": 172,
-        "max_position_embeddings": 512,
-        "model_type": "llama",
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "num_hidden_layers": 1,
-        "pad_token_id": 0,
-        "rms_norm_eps": 1e-05,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-        "transformers_version": "4.28.1",
-        "use_cache": True,
-        "vocab_size": V,
-        "draft_vocab_size": VD,
-        **extra,
-    }
+    (configs/llama3-8B-eagle3.json) publish it: the EAGLE-1 keys, the EAGLE-3 architecture and draft
+    vocabulary, no aux layer ids."""
+    return reference_config_json(
+        **{
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "rope_theta": 10000.0,
+            "draft_vocab_size": VD,
+            **extra,
+        }
+    )
 
 
 @pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
