@@ -326,13 +326,17 @@ def noise_seeds(cfg: TrainConfig, state: dict[str, Any], accelerator: Accelerato
     return [first + i * accelerator.num_processes for i in range(count)]
 
 
-def window_metrics(totals: dict[str, float], objective: Objective, seconds: float) -> dict[str, float]:
-    """The objective's averages of the summed train terms over a log window, and the throughput."""
+def window_metrics(
+    totals: dict[str, float], objective: Objective, seconds: float, steps: int
+) -> dict[str, float]:
+    """The objective's averages of the summed train terms over a log window of `steps` optimizer steps,
+    and the throughput (head positions per second, seconds per optimizer step)."""
     values = objective.summary(totals)
     values["train_top1"] = values.pop("top1")
     for key in [k for k in values if k.startswith("ttt_acc_step")]:
         values[f"train_{key}"] = values.pop(key)
-    return {**values, "tokens_per_s": totals["positions"] / max(seconds, 1e-9)}
+    seconds = max(seconds, 1e-9)
+    return {**values, "tokens_per_s": totals["positions"] / seconds, "step_s": seconds / max(steps, 1)}
 
 
 def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
@@ -342,6 +346,7 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
     plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
     keys = (*s.objective.terms, "positions")
     window_start, window = time.perf_counter(), torch.zeros(len(keys), device=acc.device)
+    window_from = state["step"]  # the step the log window started after
     while state["step"] < s.stop:
         if state["cursor"] + s.per_step > s.steps_per_epoch * s.per_step:  # epoch done (remainder dropped)
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
@@ -360,12 +365,15 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         bar.update(1)
         if step % cfg.log_every == 0 or step == s.stop:
             totals = dict(zip(keys, acc.reduce(window, "sum").tolist(), strict=True))
-            values = window_metrics(totals, s.objective, time.perf_counter() - window_start)
+            values = window_metrics(
+                totals, s.objective, time.perf_counter() - window_start, step - window_from
+            )
             log_metrics(
                 acc, s.out_dir, step, {**values, "lr": lr, "grad_norm": norm, "epoch": state["epoch"]}
             )
             bar.set_postfix(loss=f"{values['loss']:.4f}", top1=f"{values['train_top1']:.3f}")
             window_start, window = time.perf_counter(), torch.zeros(len(keys), device=acc.device)
+            window_from = step
         if cfg.eval_every and step % cfg.eval_every == 0 and step < s.stop and s.data.held_out:
             held_out = evaluate(acc.unwrap_model(s.model), s.data, cfg, acc, s.objective, s.lm_weight)
             log_metrics(acc, s.out_dir, step, held_out)

@@ -7,9 +7,12 @@
    the demo's data), one copy shared by every head;
 2. features: one store with the aux layers (EAGLE-3's inputs; an EAGLE-1 run reads only its last hidden
    states) and, for the size comparison, one without: bytes per token of both;
-3. budget: each head type trains 1 and 1 + N steps once (N = --calib-steps); the difference is its time
-   per optimizer step, and `--minutes` of it sets its max_steps, so every head gets the same wall-clock
-   training time (the cosine schedule then ends at the budget);
+3. budget: each head type first trains --calib-steps steps; the median of its logged seconds per
+   optimizer step (`step_s` of the log windows after the first: setup and warm-up excluded) sets its
+   max_steps to `--minutes` of training, so every head gets the same wall-clock training time (the
+   cosine schedule ends at the budget). The machine is shared: when the realised training-loop time
+   misses the budget by more than --tolerance, the head is trained again with max_steps from its realised
+   time per step (once); the realised time is reported beside the budget;
 4. training: the stage itself (`python -m eagle_train.train +recipe=stories260k_cpu ...`, one thread), no
    evaluation inside the budget but the final one;
 5. evaluation: the stage itself on TinyStories prompts and mt_bench with the same EAGLE-2 tree (the
@@ -89,30 +92,43 @@ def extract(work: Path, data: Path, aux: bool, reuse: bool) -> tuple[Path, dict]
     return store, json.loads((store / "manifest.json").read_text())["counts"]
 
 
-def train(work: Path, store: Path, name: str, steps: int, tag: str, reuse: bool) -> float:
-    """Train head `name` for `steps` optimizer steps; returns the stage's wall time."""
+def train(work: Path, store: Path, name: str, steps: int, tag: str, reuse: bool, log_every: int = 50) -> Path:
+    """Train head `name` for `steps` optimizer steps; returns its run directory."""
     out = work / "runs" / f"{name}_{tag}"
     if reuse and (out / "final" / "model.safetensors").is_file() and (out / "wall_s").is_file():
-        return float((out / "wall_s").read_text())
+        return out
     args = ["+recipe=stories260k_cpu", f"features={store}", f"out_dir={out}", f"max_steps={steps}"]
-    args += ["eval_every=0", "save_every=0", "progress=false", "resume=never", *HEADS[name]]
-    wall = stage("eagle_train.train", args, work / "logs" / f"train_{name}_{tag}.log")
+    args += ["eval_every=0", "save_every=0", "progress=false", "resume=never", f"log_every={log_every}"]
+    wall = stage("eagle_train.train", [*args, *HEADS[name]], work / "logs" / f"train_{name}_{tag}.log")
     (out / "wall_s").write_text(f"{wall}\n")
-    return wall
+    return out
+
+
+def windows(run: Path) -> list[tuple[int, float]]:
+    """(optimizer steps, seconds per step) of every logged training window of a run."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"step_s"' in x]
+    steps = [m["step"] for m in lines]
+    return [(b - a, m["step_s"]) for a, b, m in zip([0, *steps], steps, lines, strict=False)]
+
+
+def read_steps(run: Path) -> int:
+    """The optimizer steps a finished run made (its last logged step)."""
+    return sum(n for n, _ in windows(run))
 
 
 def seconds_per_step(work: Path, store: Path, name: str, calib_steps: int, reuse: bool) -> float:
-    """The training time of one optimizer step of head `name`: (t(1 + N) - t(1)) / N (setup cancels)."""
-    one = train(work, store, name, 1, "calib1", reuse)
-    more = train(work, store, name, 1 + calib_steps, f"calib{1 + calib_steps}", reuse)
-    return max(more - one, 1e-3) / calib_steps
+    """Head `name`'s steady-state training time per optimizer step: the median `step_s` of a short run's
+    log windows of 5 steps, the first one (warm-up) left out."""
+    run = train(work, store, name, calib_steps, "calib", reuse, log_every=5)
+    rates = sorted(s for _, s in windows(run)[1:])
+    return rates[len(rates) // 2]
 
 
-def evaluate(work: Path, name: str, questions: int, reuse: bool) -> dict:
-    """The evaluate stage on the budgeted head: returns report.json's rows by (bench, method)."""
+def evaluate(work: Path, name: str, run: Path, questions: int, reuse: bool) -> dict:
+    """The evaluate stage on the head trained in `run`: returns report.json's rows by (bench, method)."""
     out = work / "eval" / name
     if not (reuse and (out / "report.json").is_file()):
-        args = [f"draft.path={work / 'runs' / f'{name}_budget' / 'final'}", "bench=[tinystories,mt_bench]"]
+        args = [f"draft.path={run / 'final'}", "bench=[tinystories,mt_bench]"]
         args += [f"num_questions={questions}", "methods=[ar,eagle2]", "decode.max_new_tokens=128", *TREE]
         stage(
             "eagle_train.evaluate",
@@ -123,9 +139,9 @@ def evaluate(work: Path, name: str, questions: int, reuse: bool) -> dict:
     return {f"{r['bench']}/{r['method']}": r for r in report["results"]}
 
 
-def held_out(work: Path, name: str) -> dict:
-    """The final held-out metrics of the budgeted run (first-step top-1, chain acceptance)."""
-    lines = (work / "runs" / f"{name}_budget" / "metrics.jsonl").read_text().splitlines()
+def held_out(run: Path) -> dict:
+    """The final held-out metrics of a run (first-step top-1, chain acceptance)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
     last = [json.loads(x) for x in lines if '"eval/top1"' in x][-1]
     return {k: last[k] for k in ("step", "eval/top1", "eval/top3", "eval/accept_len") if k in last}
 
@@ -156,9 +172,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=8.0, help="training budget per head (wall-clock)")
     ap.add_argument("--heads", default="eagle1,eagle3,eagle3.1", help="comma-separated: " + ",".join(HEADS))
+    ap.add_argument(
+        "--fixed-steps", default="", help="also heads trained a fixed number of steps: eagle1@200,..."
+    )
     ap.add_argument("--conversations", type=int, default=3000, help="TinyStories prompts the target answers")
     ap.add_argument("--questions", type=int, default=10, help="questions per benchmark")
-    ap.add_argument("--calib-steps", type=int, default=20)
+    ap.add_argument("--calib-steps", type=int, default=40)
+    ap.add_argument("--tolerance", type=float, default=0.15, help="accepted miss of the budget (fraction)")
     ap.add_argument("--work", default=str(REPO / "bench_results" / "heads_work"))
     ap.add_argument("--reuse", action="store_true", help="keep what --work already holds")
     ap.add_argument("--out", default=str(REPO / "bench_results" / "heads.json"))
@@ -169,19 +189,40 @@ def main() -> None:
     _, plain_counts = extract(work, data, False, args.reuse)
     stores = {"eagle1": plain_counts["bytes_per_token"], "eagle3": aux_counts["bytes_per_token"]}
     results = {}
+    for spec in filter(None, args.fixed_steps.split(",")):  # name@steps: no budget, these steps exactly
+        name, steps = spec.split("@")
+        run = train(work, aux_store, name, int(steps), f"steps{steps}", args.reuse)
+        results[spec] = {
+            "overrides": HEADS[name],
+            "steps": int(steps),
+            "train_s": sum(n * s for n, s in windows(run)),
+            "held_out": held_out(run),
+            "eval": evaluate(work, spec, run, args.questions, args.reuse),
+        }
     for name in args.heads.split(","):
         per_step = seconds_per_step(work, aux_store, name, args.calib_steps, args.reuse)
         steps = max(1, int(args.minutes * 60 / per_step))
-        wall = train(work, aux_store, name, steps, "budget", args.reuse)
+        run = train(work, aux_store, name, steps, "budget", args.reuse)
+        steps = read_steps(run)
+        loop_s = sum(n * s for n, s in windows(run))
+        fresh = False
+        if abs(loop_s / (args.minutes * 60) - 1) > args.tolerance:  # load on the machine moved the rate
+            fresh = True
+            per_step = loop_s / steps
+            steps = max(1, int(args.minutes * 60 / per_step))
+            print(f"{name}: {loop_s:.0f} s for the budget; again with {steps} steps", flush=True)
+            run = train(work, aux_store, name, steps, "budget", False)
+            loop_s = sum(n * s for n, s in windows(run))
         results[name] = {
             "overrides": HEADS[name],
             "seconds_per_step": per_step,
             "steps": steps,
-            "train_s": wall,
-            "held_out": held_out(work, name),
-            "eval": evaluate(work, name, args.questions, args.reuse),
+            "train_s": loop_s,  # the training loop's own time (setup and the final evaluation excluded)
+            "stage_s": float((run / "wall_s").read_text()),
+            "held_out": held_out(run),
+            "eval": evaluate(work, name, run, args.questions, args.reuse and not fresh),
         }
-        print(f"{name}: {steps} steps at {per_step:.3f} s/step, trained in {wall:.0f} s", flush=True)
+        print(f"{name}: {steps} steps at {per_step:.3f} s/step, training loop {loop_s:.0f} s", flush=True)
     print_table(results, stores)
     record = {
         "args": vars(args),

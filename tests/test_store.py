@@ -207,7 +207,8 @@ def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
     build_store(plain, make_samples([4]), [(0, 1)])
     write_manifest(plain, IDENTITY, [(0, 1)], {}, "h")
     assert FeatureStore(plain).aux_layers == [] and "aux" not in FeatureStore(plain)[0]
-    assert "aux" not in FeatureStore(tmp_path)[0]  # an EAGLE-1 run reads an EAGLE-3 store's hidden states only
+    # an EAGLE-1 run reads an EAGLE-3 store's hidden states only
+    assert "aux" not in FeatureStore(tmp_path)[0]
     with pytest.raises(StoreError, match="no aux features"):
         FeatureStore(plain, aux=True)[0]
     assert "aux_layers" not in json.loads((plain / MANIFEST_NAME).read_text())
