@@ -220,6 +220,14 @@ def test_reference_and_specforge_heads_import_with_the_reference_layers(target, 
     imported = load_draft(tmp_path, target)
     assert imported.aux_layers == [2, 2, 2] and imported.draft_vocab_size == VD
     assert all(torch.equal(a, b) for a, b in zip(outputs(imported), outputs(head), strict=True))
+    # and it decodes: the EAGLE-2 tree with it emits plain decoding's tokens
+    from eagle_train.config.decode import DecodeConfig
+    from eagle_train.decoding.decoder import SpeculativeDecoder
+
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
+    ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=24)).generate(prompt)
+    tree = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=24)
+    assert SpeculativeDecoder(target, imported, tree).generate(prompt).tokens == ar.tokens
 
 
 def test_a_full_vocabulary_reference_head_without_d2t(target, tmp_path):
