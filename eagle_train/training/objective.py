@@ -93,10 +93,8 @@ class Eagle3Objective:
     weighted ttt_decay^k; accuracy per step against the target's greedy token."""
 
     def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, head):
-        self.cfg, self.lm_weight = cfg, target_lm_head
+        self.cfg, self.lm_weight, self.head = cfg, target_lm_head, head
         self.steps = cfg.ttt_steps
-        self.draft_ids = head.vocab_map.to(target_lm_head.device)  # [draft_vocab]
-        self.t2d = head.t2d.to(target_lm_head.device)  # [vocab] bool
         self.terms = tuple(
             f"{name}_{k}" for k in range(self.steps) for name in ("ce", "correct", "tokens", "positions")
         )
@@ -111,6 +109,11 @@ class Eagle3Objective:
         greedy[mask] = (batch["target_hidden"][mask].float() @ self.lm_weight.float().T).argmax(-1)
         return {**batch, "greedy": greedy, "labels": greedy if self.cfg.soft else batch["target_ids"]}
 
+    @property
+    def t2d(self) -> torch.Tensor:
+        """[vocab] bool, read from the head each time (a resumed run restores its vocabulary)."""
+        return self.head.t2d.to(self.lm_weight.device)
+
     def _trainable(self, batch, k: int) -> torch.Tensor:
         return shift_left(batch["loss_mask"].bool() & self.t2d[batch["labels"]], k, False)
 
@@ -122,15 +125,15 @@ class Eagle3Objective:
         if generator is not None:
             features = add_feature_noise(features, self.cfg.noise, self.cfg.noise_scale, generator)
         head = getattr(model, "module", model)  # the logits of a DDP/DeepSpeed-wrapped head
-        sums = {}
+        draft_ids, t2d, sums = head.vocab_map.to(self.lm_weight.device), self.t2d, {}
         for k, state in enumerate(unroll(model, batch["input_ids"], features, self.steps)):
             step = ttt_loss_sums(
                 state,
                 head.logits,
                 shift_left(batch["target_hidden"], k, 0.0),
                 self.lm_weight,
-                self.draft_ids,
-                self.t2d,
+                draft_ids,
+                t2d,
                 shift_left(batch["labels"], k, 0),
                 shift_left(batch["greedy"], k, -1),
                 shift_left(batch["loss_mask"], k, False),
