@@ -25,7 +25,7 @@ from tests.engines.test_vllm import KS, builtin_chain, record_figures
 
 pytestmark = pytest.mark.engine
 
-TRAIN_STEPS = 400
+TRAIN_STEPS = 200
 HEAD = ["draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3"]
 
 
