@@ -31,7 +31,7 @@ from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
 from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import atomic_write_lines, read_json
+from eagle_train.files import atomic_write_lines, read_json, remove_partial_files
 from eagle_train.modeling.hf_generate import HFGenerate
 from eagle_train.modeling.interop import export_head, load_draft, other_target
 from eagle_train.modeling.reexpress import widen_head
@@ -265,6 +265,9 @@ def run(cfg: EvaluateConfig) -> dict:
     """Evaluate the head on every benchmark with every method; write answers, report and plots (under an
     exclusive lock on out_dir, eagle_train.lock)."""
     with stage_lock(cfg.out_dir, "evaluate"):
+        if Path(cfg.out_dir).is_dir():  # what a killed run's writes left (its own files only)
+            for name in ("answers.jsonl", "engine_answers.jsonl", "report.json", "report.md", "*.png"):
+                remove_partial_files(cfg.out_dir, name)
         return evaluate(cfg)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
 from eagle_train.entry import stage_lock, stage_main
+from eagle_train.files import remove_partial_files
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
 from eagle_train.modeling.reexpress import widen_head
@@ -103,6 +104,8 @@ def run(cfg: ExportConfig) -> Path:
         embed = load_input_embedding(resolve_path(source) or source)
     out_dir = resolve_path(cfg.out) or Path(cfg.out)
     with stage_lock(out_dir, "export"):
+        if out_dir.parent.is_dir():
+            remove_partial_files(out_dir.parent, out_dir.name)  # a killed export's temporary directory
         out = export_head(
             head,
             cfg.format,

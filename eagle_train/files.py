@@ -34,12 +34,13 @@ def partial_prefix(final: str | Path) -> str:
     return f".{Path(final).name}{PARTIAL}"
 
 
-def remove_partial_files(directory: str | Path) -> list[Path]:
+def remove_partial_files(directory: str | Path, name: str = "*") -> list[Path]:
     """Delete what killed atomic writes left in `directory` (files and directories named
-    `.NAME.partial-*`, never anything else); returns them. Call it only while holding the directory's
-    output lock (eagle_train.lock), so no live writer's temporary is removed."""
+    `.NAME.partial-*`, never anything else; `name` narrows NAME, e.g. to one output's in a shared
+    directory); returns them. Call it only while holding the lock of what they belong to
+    (eagle_train.lock), so no live writer's temporary is removed."""
     removed = []
-    for stale in Path(directory).glob(f".*{PARTIAL}*"):
+    for stale in Path(directory).glob(f".{name}{PARTIAL}*"):
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
         else:

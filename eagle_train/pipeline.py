@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
 from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import FileFormatError, atomic_write_json, file_sha256, read_json
+from eagle_train.files import FileFormatError, atomic_write_json, file_sha256, read_json, remove_partial_files
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
@@ -154,6 +154,9 @@ def run(cfg: PipelineConfig) -> list[dict]:
     run_dir = Path(cfg.run_dir)
     with stage_lock(run_dir, "pipeline"):
         run_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (run_dir, run_dir / ".stages"):  # what killed writes of pipeline.json / records left
+            if directory.is_dir():
+                remove_partial_files(directory, "*.json")
         return run_stages(cfg, run_dir)
 
 

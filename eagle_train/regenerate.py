@@ -43,7 +43,14 @@ from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import check_data_file, load_conversations
 from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import FileFormatError, atomic_write_json, atomic_write_lines, file_sha256, read_json
+from eagle_train.files import (
+    FileFormatError,
+    atomic_write_json,
+    atomic_write_lines,
+    file_sha256,
+    read_json,
+    remove_partial_files,
+)
 from eagle_train.modeling.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -326,6 +333,8 @@ def regenerate(cfg: RegenerateConfig, out: Path, accelerator: Accelerator) -> di
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         out.parent.mkdir(parents=True, exist_ok=True)
+        for name in (out.name, stats_path(out).name):  # what killed writes of this output left
+            remove_partial_files(out.parent, name)
         if clear:
             clear_output(out)
         atomic_write_json(stats_path(out), {"settings": wanted, "complete": False})

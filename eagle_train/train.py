@@ -32,6 +32,7 @@ from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.interop import warn_other_target
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.training import checkpoint as ckpt
 from eagle_train.training.data import Source, batch_to, collate, online_collate, plan_epoch, split_by_id
@@ -119,7 +120,8 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
 def build_head(cfg: TrainConfig, target: Target) -> DraftHead:
     """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head."""
     if cfg.draft.path:
-        head, _ = load_head(resolve_path(cfg.draft.path))
+        head, meta = load_head(resolve_path(cfg.draft.path))
+        warn_other_target(resolve_path(cfg.draft.path), meta, target)  # initial weights for another target
     else:
         torch.manual_seed(cfg.seed)
         head = DraftHead.from_target(target.config, cfg.draft.num_layers, cfg.draft.fc_bias)

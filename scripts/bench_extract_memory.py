@@ -4,7 +4,7 @@
 
 Writes synthetic ShareGPT files (a JSON array, the shape of the published ShareGPT dumps: 2-6 turns of
 TinyStories sentences per conversation, deterministic) under bench_results/data/, plus one file whose
-single user message is 20 MB, then runs `python -m eagle_train.extract` on each as a real process
+single reply is 20 MB, then runs `python -m eagle_train.extract` on each as a real process
 (stories260K, float32, data.max_len=256, shard_samples=1000, one thread) and stops it as soon as the first
 shard is published: seconds from the process start to `shard-00000.safetensors`, and the process's
 peak resident memory (wait4's ru_maxrss). `--src DIR` runs the package found in DIR instead (e.g. an
@@ -66,15 +66,18 @@ def synthetic_file(n: int, pool: list[str]) -> Path:
 
 
 def huge_message_file(pool: list[str], megabytes: int = 20) -> Path:
-    """One conversation whose user message is `megabytes` MB of text."""
-    path = RESULTS / "data" / f"sharegpt_one_{megabytes}mb_message.json"
+    """One conversation whose reply is `megabytes` MB of text (a reply, so that truncation keeps it)."""
+    path = RESULTS / "data" / f"sharegpt_one_{megabytes}mb_reply.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         rng, text, size = random.Random(0), [], 0
         while size < megabytes * 2**20:
             text.append(rng.choice(pool))
             size += len(text[-1]) + 1
-        turns = [{"from": "human", "value": " ".join(text)}, {"from": "gpt", "value": "The end."}]
+        turns = [
+            {"from": "human", "value": "Tell me a long story."},
+            {"from": "gpt", "value": " ".join(text)},
+        ]
         path.write_text(json.dumps([{"id": "huge", "conversations": turns}]), encoding="utf-8")
     return path
 
@@ -128,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     pool = sentences()
     cases = {f"{n} conversations": synthetic_file(n, pool) for n in args.sizes}
-    cases["one 20 MB message"] = huge_message_file(pool)
+    cases["one 20 MB reply"] = huge_message_file(pool)
     rows = {}
     print(f"{'data':<24}{'file MB':>9}{'s to first shard':>18}{'peak RSS MiB':>14}")
     for name, path in cases.items():
