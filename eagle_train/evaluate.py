@@ -30,10 +30,10 @@ from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
-from eagle_train.entry import stage_main
-from eagle_train.files import atomic_write_lines
+from eagle_train.entry import stage_lock, stage_main
+from eagle_train.files import atomic_write_lines, read_json, remove_partial_files
 from eagle_train.modeling.hf_generate import HFGenerate
-from eagle_train.modeling.interop import export_head, load_draft
+from eagle_train.modeling.interop import export_head, load_draft, other_target
 from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import Target, load_target
 from eagle_train.report import BASELINE, markdown_table, write_report
@@ -228,6 +228,16 @@ def run_engine(
     return engine_records, notes
 
 
+def draft_notes(cfg: EvaluateConfig, target: Target) -> list[str]:
+    """A report warning when the head was trained for another target (eagle_train.modeling.interop)."""
+    config = Path(cfg.draft.path or "") / "config.json"
+    if not cfg.draft.path or not config.is_file():
+        return []
+    meta = read_json(config, "draft head config").get("eagle_train", {})
+    why = other_target(meta if isinstance(meta, dict) else {}, target)
+    return [f"draft head {cfg.draft.path}: {why}"] if why else []
+
+
 def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds: float) -> dict:
     """The run settings shown at the top of the report."""
     decode = {k: v for k, v in dataclasses.asdict(cfg.decode).items() if k not in ("method", "tree_paths")}
@@ -252,7 +262,17 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
 
 
 def run(cfg: EvaluateConfig) -> dict:
-    """Evaluate the head on every benchmark with every method; write answers, report and plots."""
+    """Evaluate the head on every benchmark with every method; write answers, report and plots (under an
+    exclusive lock on out_dir, eagle_train.lock)."""
+    with stage_lock(cfg.out_dir, "evaluate"):
+        if Path(cfg.out_dir).is_dir():  # what a killed run's writes left (its own files only)
+            for name in ("answers.jsonl", "engine_answers.jsonl", "report.json", "report.md", "*.png"):
+                remove_partial_files(cfg.out_dir, name)
+        return evaluate(cfg)
+
+
+def evaluate(cfg: EvaluateConfig) -> dict:
+    """The stage under its lock."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg.device)
@@ -277,7 +297,15 @@ def run(cfg: EvaluateConfig) -> dict:
         engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
         engines["sanity"] = log_notes + engines["sanity"]
     meta = run_meta(cfg, target, device, time.perf_counter() - start)
-    report = write_report(records, out, meta, min_rounds=cfg.min_rounds, plots=cfg.plots, engines=engines)
+    report = write_report(
+        records,
+        out,
+        meta,
+        min_rounds=cfg.min_rounds,
+        plots=cfg.plots,
+        engines=engines,
+        notes=draft_notes(cfg, target),
+    )
     cut = sum(1 for r in records if r["prompt_cut"])
     if cut:
         log.warning("%d prompts were longer than the context allows and were cut (see prompt_cut)", cut)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,14 +236,16 @@ def write_report(
     min_rounds: int = 20,
     plots: bool = True,
     engines: dict[str, Any] | None = None,
+    notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report.
-    `engines`: the side-by-side engine section (`eagle_train.report_engines.engine_section`), if any."""
+    `engines`: the side-by-side engine section (`eagle_train.report_engines.engine_section`), if any.
+    `notes`: warnings found before decoding (e.g. a head trained for another target), listed first."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     greedy = float(meta.get("temperature", 0.0)) == 0.0
-    notes = sanity_checks(rows, min_rounds, greedy) + (engines["sanity"] if engines else [])
+    notes = [*notes, *sanity_checks(rows, min_rounds, greedy), *(engines["sanity"] if engines else [])]
     plot_files = (write_plots(records, rows, out) if plots else []) + (engines["plots"] if engines else [])
     calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
     report = {

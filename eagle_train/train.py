@@ -26,20 +26,19 @@ from tqdm import tqdm
 from eagle_train.config.base import resolve_path
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
-from eagle_train.entry import stage_main
+from eagle_train.entry import on_main, stage_lock, stage_main
+from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
 from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.interop import warn_other_target
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.training import checkpoint as ckpt
 from eagle_train.training.data import Source, batch_to, collate, online_collate, plan_epoch, split_by_id
 from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
-from eagle_train.training.optim import build_optimizer, grad_norm, lr_at, set_lr
-from eagle_train.training.sources import open_online, open_store
-
-# Settings that decide the batch plan: a resumed run must use the same.
-PLAN_KEYS = ("seed", "max_tokens", "max_batch_size", "bucket")
+from eagle_train.training.optim import NonFiniteError, build_optimizer, check_finite, grad_norm, lr_at, set_lr
+from eagle_train.training.sources import open_online, open_store, source_identity
 
 
 @dataclass
@@ -51,6 +50,7 @@ class RunData:
     held_out: list[int]
     make_batch: Callable[[list[int]], dict[str, torch.Tensor]]
     identity: dict[str, Any]  # target identity for checkpoint meta
+    source_identity: dict[str, Any]  # the data and target part of the run's identity (resume checks it)
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -100,22 +100,28 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
             return online_collate([source[i] for i in indices], target.hidden_states, device)
+
+        data = {"sha256": file_sha256(resolve_path(cfg.data.path))}
     else:
         source, identity = open_store(resolve_path(cfg.features), target, hf_config)
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
             return collate([source[i] for i in indices])
 
+        data = {"store": source.content_hash()}
+
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
         raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
-    return RunData(source, train, held_out, make_batch, identity), target
+    sources = source_identity(target, hf_config, data)
+    return RunData(source, train, held_out, make_batch, identity, sources), target
 
 
 def build_head(cfg: TrainConfig, target: Target) -> DraftHead:
     """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head."""
     if cfg.draft.path:
-        head, _ = load_head(resolve_path(cfg.draft.path))
+        head, meta = load_head(resolve_path(cfg.draft.path))
+        warn_other_target(resolve_path(cfg.draft.path), meta, target)  # initial weights for another target
     else:
         torch.manual_seed(cfg.seed)
         head = DraftHead.from_target(target.config, cfg.draft.num_layers, cfg.draft.fc_bias)
@@ -180,7 +186,9 @@ def train_step(
 
 
 def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) -> float:
-    """Clip (norm or value), step, zero the gradients; returns the gradient norm before clipping."""
+    """Clip (norm or value), step, zero the gradients; returns the gradient norm before clipping.
+    NonFiniteError before the step when the (all-reduced, so identical on every process) norm is not
+    finite; under DeepSpeed the engine steps and the loss check in `fit` is the guard."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # the engine clips and steps
         optimizer.step()
         optimizer.zero_grad()
@@ -188,6 +196,7 @@ def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) 
         return float(engine_norm) if engine_norm is not None else float("nan")
     params = [p for p in model.parameters() if p.requires_grad]
     norm = grad_norm(params)
+    check_finite("gradient norm", norm)
     if cfg.optim.clip == "norm":
         accelerator.clip_grad_norm_(params, cfg.optim.clip_value)
     elif cfg.optim.clip == "value":
@@ -253,24 +262,46 @@ def log_metrics(accelerator: Accelerator, out_dir: Path, step: int, values: dict
     accelerator.log(values, step=step)
 
 
+def trim_metrics(out_dir: Path, step: int) -> None:
+    """Keep the metric lines up to `step` (the resumed checkpoint's): what a killed run logged after its
+    last checkpoint is logged again by the resumed one, once. A torn last line is dropped too."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    atomic_write_lines(path, kept)
+
+
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     """max_steps, or epochs full passes over the training plan."""
     return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
 
 
-def resume_state(cfg: TrainConfig, out_dir: Path, accelerator: Accelerator) -> dict[str, Any]:
-    """Trainer state from the newest complete checkpoint (resume=auto), else a fresh one."""
-    fresh = {"step": 0, "epoch": 0, "cursor": 0, "plan": {k: getattr(cfg, k) for k in PLAN_KEYS}}
-    found = ckpt.resumable_checkpoints(out_dir) if cfg.resume == "auto" else []
-    if not found:
-        return fresh
-    state = ckpt.load_checkpoint(accelerator, found[-1])
-    if state["plan"] != fresh["plan"]:
-        raise ValueError(
-            f"{found[-1]}: cannot resume, batch plan settings differ: checkpoint {state['plan']}, "
-            f"config {fresh['plan']} (use another out_dir or resume=never)"
-        )
-    accelerator.print(f"resumed from {found[-1]} at step {state['step']}")
+def prepare_run_dir(cfg: TrainConfig, out_dir: Path) -> None:
+    """Under the output lock (main process): remove what killed writes left (`.NAME.partial-*`); with
+    resume=never, the earlier run's checkpoints, final head and metrics, so a later rerun cannot resume it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (out_dir, out_dir / ckpt.CHECKPOINT_DIR):
+        if directory.is_dir():
+            remove_partial_files(directory)
+    if cfg.resume == "never":
+        ckpt.clear_run(out_dir)
+
+
+def resume_state(cfg: TrainConfig, s: Session) -> dict[str, Any]:
+    """Trainer state from the newest valid checkpoint (resume=auto) whose run identity matches, else a
+    fresh one (and a fresh metrics file); metric lines logged after the checkpoint are dropped."""
+    state = ckpt.resume(s.accelerator, s.out_dir, s.identity) if cfg.resume == "auto" else None
+    if state is None:
+        on_main(s.accelerator, lambda: (s.out_dir / "metrics.jsonl").unlink(missing_ok=True))
+        return {"step": 0, "epoch": 0, "cursor": 0}
+    on_main(s.accelerator, lambda: trim_metrics(s.out_dir, state["step"]))
     return state
 
 
@@ -285,6 +316,7 @@ class Session:
     lm_weight: torch.Tensor  # the target's frozen LM head [vocab, hidden] on the device
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
+    identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
     per_step: int  # micro-batches per optimizer step over all processes
     steps_per_epoch: int
     total: int  # optimizer steps of the whole schedule
@@ -292,11 +324,10 @@ class Session:
     target: Target | None = None  # the frozen target (its tokenizer and stop ids for the engine evaluation)
 
 
-def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
-    """Accelerator, data, head, optimizer and the (resumed) trainer state."""
-    accelerator = make_accelerator(cfg)
+def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str, Any]]:
+    """Data, head, optimizer and the (resumed) trainer state (under the output lock)."""
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
     head = build_head(cfg, target)
     lm_weight = head.lm_head.weight.to(accelerator.device)
@@ -318,9 +349,9 @@ def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
             f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
         )
     total = total_steps(cfg, steps_per_epoch)
-    state = resume_state(cfg, out_dir, accelerator)
-    if state["step"] == 0 and accelerator.is_main_process:  # a fresh run starts a fresh metrics file
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    identity = ckpt.run_identity(
+        cfg, data.source_identity, accelerator.num_processes, precision_of(accelerator)
+    )
     if cfg.wandb:
         accelerator.init_trackers(cfg.wandb_project, config=json.loads(json.dumps(asdict(cfg), default=str)))
     accelerator.print(
@@ -336,13 +367,19 @@ def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
         lm_weight,
         out_dir,
         meta,
+        identity,
         per_step,
         steps_per_epoch,
         total,
         min(total, cfg.stop_at_step or total),
         target,
     )
-    return session, state
+    return session, resume_state(cfg, session)
+
+
+def precision_of(accelerator: Accelerator) -> str:
+    """The precision training really runs in (mixed_precision=auto resolved)."""
+    return str(accelerator.mixed_precision)
 
 
 def epoch_plan(cfg: TrainConfig, data: RunData, epoch: int) -> list[list[int]]:
@@ -389,13 +426,19 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
         if plan_index != state["epoch"]:
             plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
-        batches = [s.data.make_batch(b) for b in step_batches(plan, state["cursor"], acc, cfg.grad_accum)]
+        mine = step_batches(plan, state["cursor"], acc, cfg.grad_accum)
+        batches = [s.data.make_batch(b) for b in mine]
         lr = lr_at(state["step"], s.total, cfg.optim)
         set_lr(s.optimizer, lr)
-        window += train_step(
+        terms = train_step(
             s.model, batches, cfg, acc, s.lm_weight, noise_seeds(cfg, state, acc, len(batches))
         )
-        norm = clip_and_step(s.model, s.optimizer, cfg, acc)
+        try:
+            check_finite("training loss (summed SmoothL1, CE)", acc.reduce(terms[:2].clone(), "sum"))
+            norm = clip_and_step(s.model, s.optimizer, cfg, acc)
+        except NonFiniteError as err:
+            raise NonFiniteError(nonfinite_report(err, state, s, mine)) from None
+        window += terms
         state["step"], state["cursor"] = state["step"] + 1, state["cursor"] + s.per_step
         step = state["step"]
         bar.update(1)
@@ -415,7 +458,7 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         ):
             log_engine_metrics(cfg, s, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == s.stop:
-            ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, cfg.keep_last)
+            ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, s.identity, cfg.keep_last)
     bar.close()
 
 
@@ -429,9 +472,30 @@ def log_engine_metrics(cfg: TrainConfig, s: Session, step: int) -> None:
     acc.wait_for_everyone()
 
 
+def nonfinite_report(err: NonFiniteError, state: dict[str, Any], s: Session, mine: list[list[int]]) -> str:
+    """Where a non-finite value appeared: the step, the micro-batches of the epoch plan and this process's
+    sample ids, and what was not done about it."""
+    ids = [s.data.source.ids[i] for batch in mine for i in batch]
+    shown = ", ".join(ids[:8]) + (", ..." if len(ids) > 8 else "")
+    first = state["cursor"]
+    return (
+        f"{err} at step {state['step'] + 1} (epoch {state['epoch']}, micro-batches {first}..{first + s.per_step - 1} "
+        f"of the epoch plan; this process's samples: {shown}). Stopped before the optimizer step: no "
+        "checkpoint holds these weights. Check the data (a feature store is verified when read) or lower optim.lr."
+    )
+
+
 def run(cfg: TrainConfig) -> dict[str, float]:
-    """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}."""
-    session, state = setup(cfg)
+    """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}
+    under an exclusive lock on out_dir (eagle_train.lock)."""
+    accelerator = make_accelerator(cfg)
+    with stage_lock(cfg.out_dir, "train", accelerator):
+        return train(cfg, accelerator)
+
+
+def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
+    """The stage under its lock: setup, the loop, the final evaluation and head."""
+    session, state = setup(cfg, accelerator)
     fit(cfg, session, state)
     acc = session.accelerator
     head = acc.unwrap_model(session.model)

@@ -75,3 +75,17 @@ def tiny_store(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
     data = DataConfig(name="tinystories", path=str(tiny_conversations))
     extract(ExtractConfig(target=target_cfg, data=data, out_dir=str(out), dtype="float32", progress=False))
     return out
+
+
+def reseal(store: Path, index: int) -> None:
+    """After a deliberate edit of shard `index` of a store: record the file's new sha256 and size in the
+    manifest, as a writer with a bug (or an attacker) would, so only the content checks can catch it."""
+    import json
+
+    from eagle_train.files import file_sha256
+    from eagle_train.store import MANIFEST_NAME, shard_name
+
+    shard = store / shard_name(index)
+    manifest = json.loads((store / MANIFEST_NAME).read_text())
+    manifest["shards"][index].update(sha256=file_sha256(shard), bytes=shard.stat().st_size)
+    (store / MANIFEST_NAME).write_text(json.dumps(manifest))

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from eagle_train.config.base import to_schema
 from eagle_train.config.decode import DecodeConfig
@@ -158,3 +159,37 @@ def test_records_carry_their_prompt_ids(target_cfg, head_dir, tmp_path):
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert {len(a["prompt_ids"]) for a in answers} == {answers[0]["prompt_tokens"]}
     assert answers[0]["prompt_ids"] == answers[1]["prompt_ids"] and answers[0]["prompt_ids"][0] == 1
+
+
+def test_a_head_with_non_finite_weights_is_refused_before_anything_is_written(target, target_cfg, tmp_path):
+    """16.11: a NaN head used to decode garbage, write answers.jsonl, then crash in the plots."""
+    head = DraftHead.from_target(target.config)
+    state = {k: v.clone() for k, v in head.trainable_state_dict().items()}
+    state["fc.weight"][0, 0] = float("nan")
+    path = tmp_path / "nan_head"
+    path.mkdir()
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**head.config.to_dict(), "eagle_train": {"fc_bias": True}}))
+    cfg = EvaluateConfig(
+        target=target_cfg, draft=DraftConfig(path=str(path)), bench=["tinystories"], num_questions=1,
+        out_dir=str(tmp_path / "eval"), progress=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"model.safetensors: fc.weight holds 1 non-finite values"):
+        run(cfg)
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_head_trained_for_other_weights_is_flagged_in_the_report(target_cfg, target, tmp_path):
+    """16.4: the head records the fingerprint of its target's embedding and LM head; evaluating it on a
+    target with other weights (a fine-tune of the same shape) says so in the report."""
+    head = DraftHead.from_target(target.config)
+    weights = {"embed_tokens": "0" * 16, "lm_head": "0" * 16}
+    path = save_head(head, tmp_path / "head", {"target": {"name": "stories260k", "weights": weights}})
+    cfg = EvaluateConfig(
+        target=target_cfg, draft=DraftConfig(path=str(path)), bench=["tinystories"], num_questions=1,
+        methods=["ar", "chain"], out_dir=str(tmp_path / "eval"), num_threads=1, plots=False, progress=False,
+        decode=DecodeConfig(max_new_tokens=8),
+    )  # fmt: skip
+    report = run(cfg)
+    assert any("trained for a target with other weights" in note for note in report["sanity"])
+    assert "other weights" in (tmp_path / "eval" / "report.md").read_text()

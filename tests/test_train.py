@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,9 +16,13 @@ from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.entry import compose
-from eagle_train.store import StoreMismatchError
+from eagle_train.modeling.checkpoint import save_head
+from eagle_train.modeling.draft import DraftHead
+from eagle_train.shard import ShardFile
+from eagle_train.store import StoreError, StoreMismatchError, shard_name
 from eagle_train.train import run
-from tests.conftest import STORIES260K
+from eagle_train.training.optim import NonFiniteError
+from tests.conftest import STORIES260K, reseal
 
 
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
@@ -180,3 +185,86 @@ def test_a_store_extracted_from_a_real_other_model_is_refused(tiny_conversations
     with pytest.raises(StoreMismatchError, match="target.hidden_size: expected 64, found 32") as err:
         run(make_cfg(tmp_path / "store", tmp_path / "run", "max_steps=1"))
     assert "target.config_hash" in str(err.value)
+
+
+# ---------------------------------------------------------------- 16.3, 16.4, 16.11: nothing silently wrong
+
+
+def copy_store(tiny_store: Path, to: Path) -> Path:
+    shutil.copytree(tiny_store, to)
+    return to
+
+
+def hidden_region(store: Path) -> tuple[int, int]:
+    """[begin, end) of shard 0's hidden states in its file."""
+    shard = ShardFile(store / shard_name(0))
+    begin, end = shard.header["hidden"]["data_offsets"]
+    return shard.data_start + begin, shard.data_start + end
+
+
+def test_a_corrupt_shard_stops_training_before_any_step(tiny_store, tmp_path):
+    """16.3: 64 flipped bytes in a shard (NaNs in the hidden states) are caught by its checksum."""
+    store = copy_store(tiny_store, tmp_path / "store")
+    begin, _ = hidden_region(store)
+    data = bytearray((store / shard_name(0)).read_bytes())
+    data[begin + 4096 : begin + 4160] = b"\xff" * 64
+    (store / shard_name(0)).write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"shard-00000.safetensors: its checksum \(sha256\) differs"):
+        run(make_cfg(store, tmp_path / "run", "max_steps=2", "save_every=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_a_non_finite_loss_stops_before_the_step_and_no_checkpoint_holds_it(tiny_store, tmp_path):
+    """16.3: features that are NaN with valid checksums (a bug upstream): the run stops at step 1 naming
+    the step and the batch, before the optimizer step, and writes no checkpoint or head."""
+    store = copy_store(tiny_store, tmp_path / "store")
+    begin, end = hidden_region(store)
+    data = bytearray((store / shard_name(0)).read_bytes())
+    data[begin:end] = np.full((end - begin) // 4, np.nan, dtype=np.float32).tobytes()
+    (store / shard_name(0)).write_bytes(bytes(data))
+    reseal(store, 0)
+    with pytest.raises(
+        NonFiniteError,
+        match=r"non-finite training loss .* at step 1 \(epoch 0, micro-batches 0\.\.0 .*samples: ",
+    ):
+        run(make_cfg(store, tmp_path / "run", "max_steps=3", "save_every=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_a_head_with_non_finite_weights_is_never_saved(target, tmp_path):
+    head = DraftHead.from_target(target.config)
+    head.layers[0].mlp.down_proj.weight.data[3] = float("inf")
+    with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj.weight holds \d+ non-finite values"):
+        save_head(head, tmp_path / "head")
+    assert not (tmp_path / "head").exists()
+
+
+def fine_tune(tmp_path: Path) -> Path:
+    """stories260K with its LM head nudged (as a fine-tune changes it): the same config, other weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES260K)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01 * torch.randn_like(model.lm_head.weight))
+    out = tmp_path / "stories260K_finetune"
+    model.save_pretrained(out)
+    for f in STORIES260K.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_store_from_a_fine_tune_of_the_same_shape_is_refused(tiny_store, tmp_path):
+    """16.4: same config hash, other weights: the fingerprint of the LM head tells them apart."""
+    with pytest.raises(
+        StoreMismatchError, match=r"target\.weights\.lm_head: expected '[0-9a-f]{16}', found"
+    ) as err:
+        run(make_cfg(tiny_store, tmp_path / "run", "max_steps=1", f"target.path={fine_tune(tmp_path)}"))
+    assert "target.config_hash" not in str(err.value)  # the configs are the same
+
+
+def test_bad_cadence_settings_fail_when_the_config_is_made(tmp_path):
+    """16.11: log_every=0 used to fail only after the model and the store had loaded."""
+    for bad in ("log_every=0", "save_every=-1", "eval_every=-5", "epochs=0"):
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            make_cfg(tmp_path / "store", tmp_path, bad)

@@ -96,7 +96,10 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)  # loss terms and noise
     features: str | None = None  # feature store directory (offline mode)
     out_dir: str = "runs/train/${target.name}"  # run directory: checkpoints/, final/, metrics.jsonl
-    resume: str = "auto"  # auto: continue from the newest full checkpoint in out_dir | never
+    # auto: continue from the newest checkpoint in out_dir that verifies, if its run had the same settings
+    # (processes, grad_accum, epochs, max_steps, optimizer, data, target...) | never: start over, removing
+    # the earlier run's checkpoints/, final/ and metrics.jsonl
+    resume: str = "auto"
     seed: int = 0  # seeds the head init, batch order and noise
     max_steps: int | None = None  # optimizer steps; null = `epochs` full passes
     epochs: int = 20  # passes over the training split when max_steps is null (reference: 20)
@@ -147,3 +150,12 @@ class TrainConfig:
             )
         if self.grad_accum < 1 or self.max_tokens < 1 or self.eval_depth < 1 or self.keep_last < 1:
             raise ValueError("grad_accum, max_tokens, eval_depth and keep_last must be >= 1")
+        if self.log_every < 1 or self.epochs < 1 or (self.stop_at_step is not None and self.stop_at_step < 1):
+            raise ValueError(
+                f"log_every and epochs must be >= 1 and stop_at_step >= 1 or null, got log_every={self.log_every}, "
+                f"epochs={self.epochs}, stop_at_step={self.stop_at_step}"
+            )
+        if self.eval_every < 0 or self.save_every < 0:
+            raise ValueError(
+                f"eval_every and save_every must be >= 0 (0 = only at the end), got {self.eval_every}, {self.save_every}"
+            )

@@ -8,14 +8,16 @@ block: the target it was trained for, fc bias, training max length. Writes are a
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle_train.files import atomic_write_dir
+from eagle_train.files import atomic_write_dir, read_json
 from eagle_train.modeling.draft import DraftHead
 
 WEIGHTS_NAME = "model.safetensors"
@@ -30,13 +32,29 @@ def head_config_dict(head: DraftHead, meta: dict[str, Any] | None = None) -> dic
     return config
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None:
+    """ValueError naming the first tensor with a NaN or an infinity: a head like that is never written
+    or loaded (it would only produce garbage drafts)."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(
+                f"{where}: {name} holds {bad} non-finite values (NaN or inf): refusing this head"
+            )
+
+
 def save_head(head: DraftHead, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
-    """Atomically write the head's weights and config to `out_dir`."""
+    """Atomically write the head's weights and config to `out_dir`; ValueError for non-finite weights
+    (nothing is written), OSError when the write fails (a full disk)."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.trainable_state_dict().items()}
+    check_finite(tensors, out_dir)
     config = head_config_dict(head, meta)
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        except SafetensorError as err:  # an I/O error from safetensors' Rust writer
+            raise OSError(f"{tmp / WEIGHTS_NAME}: {err}") from err
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     atomic_write_dir(Path(out_dir), write)
@@ -53,11 +71,12 @@ def load_head(path: str | Path, device: torch.device | str = "cpu") -> tuple[Dra
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
-    raw = json.loads(config_file.read_text())
+    raw = read_json(config_file, "draft head config")
     meta = raw.pop("eagle_train", {})
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)))
     state = load_file(str(weights_file))
+    check_finite(state, weights_file)
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith(("fc.", "layers."))]
     if missing or unexpected:

@@ -20,6 +20,10 @@ What each consumer really loads (read from their loaders):
   carries that key.
 No layout has `layers.0.input_layernorm` or `lm_head`. Every config.json gets an `eagle_train` block
 with the target's id and the training maximum length, so a server or a user can warn beyond it.
+
+Export never deletes what it did not write: an output directory that exists and is not empty must be an
+earlier export of the same format (then it is replaced whole, atomically), or `overwrite=True` writes this
+layout's files into it and removes nothing but an earlier export's own weights.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eagle_train.files import atomic_write_dir
+from eagle_train.files import atomic_write_dir, atomic_write_into, read_json
 from eagle_train.kv_cache import attention_shape
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_finite
 from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,11 @@ CONFIG_FIELDS = (
     "mlp_bias",
 )
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+LAYOUT_FILES = {
+    "vllm": (CONFIG_NAME, WEIGHTS_NAME),
+    "sglang": (CONFIG_NAME, WEIGHTS_NAME),
+    "eagle": (CONFIG_NAME, BIN_NAME),
+}
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -176,14 +185,20 @@ def export_head(
     embed_tokens: torch.Tensor | None = None,  # [vocab, hidden]: required for format=eagle
     dtype: torch.dtype | None = None,
     fold_bias: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Atomically write `head` to `out_dir` in the layout `fmt` (vllm | sglang | eagle) loads.
 
     vllm: a trained fc bias is folded into layer 0 (`fold_bias=True`) or refused. eagle: needs the
-    target's input embedding (the reference loads it strictly from the head's file).
+    target's input embedding (the reference loads it strictly from the head's file). An existing
+    non-empty `out_dir` is refused unless it is an earlier `fmt` export or `overwrite` is set
+    (`check_export_dir`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    out_dir = Path(out_dir)
+    replace_whole = check_export_dir(out_dir, fmt, overwrite)
+    check_finite(head.trainable_state_dict(), "export")
     dtype = dtype or head.fc.weight.dtype
     state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in head.trainable_state_dict().items()}
     config = llama_config_dict(head, dtype)
@@ -226,8 +241,45 @@ def export_head(
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    atomic_write_dir(Path(out_dir), write)
-    return Path(out_dir)
+    if replace_whole:
+        atomic_write_dir(out_dir, write)
+        return out_dir
+    earlier = exported_format(out_dir)
+    atomic_write_into(out_dir, write)
+    for name in set(LAYOUT_FILES.get(earlier, ())) - set(LAYOUT_FILES[fmt]):  # an earlier export's weights
+        (out_dir / name).unlink(missing_ok=True)
+    return out_dir
+
+
+def exported_format(out_dir: Path) -> str | None:
+    """The format an earlier export recorded in `out_dir/config.json`, or None (not one of ours)."""
+    try:
+        info = read_json(out_dir / CONFIG_NAME).get("eagle_train", {})
+    except (ValueError, AttributeError):
+        return None
+    fmt = info.get("format") if isinstance(info, dict) else None
+    return fmt if fmt in FORMATS else None
+
+
+def check_export_dir(out_dir: Path, fmt: str, overwrite: bool) -> bool:
+    """Whether `out_dir` can be replaced whole: it does not exist, or holds exactly an earlier `fmt`
+    export. An empty directory, or any directory with `overwrite`, is written into (False). Anything
+    else is refused: export never deletes files it did not write."""
+    if not out_dir.exists():
+        return True
+    if not out_dir.is_dir():
+        raise FileExistsError(f"export: {out_dir} exists and is not a directory")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if entries and set(entries) <= set(LAYOUT_FILES[fmt]) and exported_format(out_dir) == fmt:
+        return True
+    if not entries or overwrite:
+        return False
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise FileExistsError(
+        f"export: {out_dir} is not empty and is not an earlier format={fmt} export (it holds {shown}); "
+        f"choose a new or empty directory, or pass overwrite=true, which writes "
+        f"{' and '.join(LAYOUT_FILES[fmt])} there and deletes nothing else"
+    )
 
 
 def load_input_embedding(source: str | Path) -> torch.Tensor:
@@ -333,6 +385,30 @@ def recorded_target(meta: dict[str, Any]) -> tuple[str | None, str | None]:
     return target, meta.get("target_source")
 
 
+def other_target(meta: dict[str, Any], target) -> str | None:
+    """Why a head's meta says it was trained for another target than `target` (its name, or the weight
+    fingerprint of the embedding and LM head: a fine-tune of the same shape), or None."""
+    trained_for, _ = recorded_target(meta)
+    recorded = meta.get("target", {}).get("weights") if isinstance(meta.get("target"), dict) else None
+    recorded = recorded or meta.get("target_weights")
+    if recorded and recorded != target.weight_fingerprint:
+        return (
+            f"it was trained for a target with other weights (embedding / LM head fingerprint {recorded}, "
+            f"this target's {target.weight_fingerprint}): expect a lower acceptance; the output is still "
+            "the target's own"
+        )
+    if trained_for and trained_for != target.cfg.name:
+        return f"it was trained for {trained_for!r}, not {target.cfg.name!r}"
+    return None
+
+
+def warn_other_target(path: Path, meta: dict[str, Any], target) -> None:
+    """Log loudly when a head is loaded for another target than the one it was trained for."""
+    why = other_target(meta, target)
+    if why:
+        log.warning("draft head %s: %s", path, why)
+
+
 def load_draft(path: str | Path, target, device: torch.device | str | None = None) -> DraftHead:
     """Load an EAGLE-1/2 draft head for `target` (a `Target`) from this project's checkpoint, any
     exported layout, or a reference head (pytorch_model.bin or model.safetensors + config.json).
@@ -354,9 +430,8 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     state = head_state(raw_state, file, list(raw_config.get("architectures") or []))
     config = head_config(raw_config, state)
     check_matches_target(config, state, target, file)
-    trained_for, _ = recorded_target(raw_config.get("eagle_train", {}))
-    if trained_for and trained_for != target.cfg.name:
-        log.warning("draft head %s was trained for %r, loading it for %r", path, trained_for, target.cfg.name)
+    check_finite(state, file)
+    warn_other_target(path, raw_config.get("eagle_train", {}), target)
     head = DraftHead(config, fc_bias="fc.bias" in state)
     try:
         missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)

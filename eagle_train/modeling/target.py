@@ -16,7 +16,9 @@ through `HFCacheView`, which speaks the `Cache.update(key, value, layer_idx)` ca
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +46,22 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
 def target_source(cfg: TargetConfig) -> str:
-    """The path or hub id the target is loaded from (a relative local path is resolved)."""
+    """The path or hub id the target is loaded from (a relative local path is resolved). A path that
+    cannot be a hub id (`org/name`) and does not exist is a FileNotFoundError naming target.path,
+    rather than a hub error about a repository name."""
     local = resolve_path(cfg.path)
-    return str(local) if local is not None and Path(local).exists() else cfg.path
+    if local is not None and Path(local).exists():
+        return str(local)
+    if not cfg.path or not HUB_ID.match(cfg.path) or cfg.path.startswith((".", "~")):
+        raise FileNotFoundError(
+            f"target.path={cfg.path!r}: no such directory (a local model directory or a hub id like "
+            "org/name is expected)"
+        )
+    return cfg.path
 
 
 @dataclass
@@ -97,6 +111,17 @@ class Target:
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
+
+    @functools.cached_property
+    def weight_fingerprint(self) -> dict[str, str]:
+        """sha256 (16 hex digits) of the input embedding and the LM head: two models with one config
+        shape (a base model and its fine-tune) differ here. The weights are rounded to bfloat16 first,
+        so a float32 and a bfloat16 load of one checkpoint agree. A second or two for an 8B model."""
+        out = {}
+        for name, weight in (("embed_tokens", self.embed_tokens.weight), ("lm_head", self.lm_head.weight)):
+            data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
+            out[name] = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
+        return out
 
     @property
     def decoder(self) -> nn.Module:

@@ -1,4 +1,5 @@
-"""AdamW over the head's trainable parameters, the learning-rate schedule and gradient clipping."""
+"""AdamW over the head's trainable parameters, the learning-rate schedule, gradient clipping and the
+guard that stops a run on a non-finite loss or gradient before the optimizer step."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ def grad_norm(params: Iterable[torch.Tensor]) -> float:
     """Global L2 norm of the gradients (before clipping)."""
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or infinite loss or gradient: the run stops before the optimizer step, so no checkpoint
+    ever holds the weights it would have produced."""
+
+
+def check_finite(name: str, value: float | torch.Tensor) -> None:
+    """NonFiniteError when `value` (a scalar or any tensor) holds a NaN or an infinity."""
+    value = torch.as_tensor(value)
+    if not bool(torch.isfinite(value).all()):
+        raise NonFiniteError(f"non-finite {name} ({value.tolist()})")

@@ -11,37 +11,56 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
 from eagle_train.modeling.target import Target
-from eagle_train.store import FeatureStore, target_config_hash
+from eagle_train.store import FeatureStore, StoreMismatchError, target_config_hash
 
 
 def target_identity(target: Target, hf_config) -> dict[str, Any]:
-    """What a store must have been extracted with (dotted manifest keys) for this target."""
+    """What a store must have been extracted with (dotted manifest keys) for this target: its config
+    and the fingerprint of its embedding and LM head (a fine-tune of the same shape differs there)."""
     return {
         "target.config_hash": target_config_hash(hf_config.to_dict()),
+        **{f"target.weights.{k}": v for k, v in target.weight_fingerprint.items()},
         "target.hidden_size": target.hidden_size,
         "target.vocab_size": target.vocab_size,
     }
 
 
 def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
-    """The target block of a head checkpoint's meta."""
+    """The target block of a head checkpoint's meta (evaluation compares the weight fingerprint)."""
     return {
         "target": {
             "name": target.cfg.name,
             "source": target.source,
             "config_hash": target_config_hash(hf_config.to_dict()),
             "architectures": list(getattr(hf_config, "architectures", None) or []),
+            "weights": target.weight_fingerprint,
         }
+    }
+
+
+def source_identity(target: Target, hf_config, data: dict[str, Any]) -> dict[str, Any]:
+    """The data and target part of a run's identity (training/checkpoint.py: run_identity)."""
+    return {
+        "data": data,
+        "target": {
+            "config_hash": target_config_hash(hf_config.to_dict()),
+            "weights": target.weight_fingerprint,
+        },
     }
 
 
 def open_store(path: Path | None, target: Target, hf_config) -> tuple[FeatureStore, dict[str, Any]]:
     """The feature store at `path`, refused (StoreMismatchError naming the field) unless it was
-    extracted from this target."""
+    extracted from this target. Its structure is checked when it is opened, each shard's checksum when
+    it is first read (eagle_train.store.FeatureStore)."""
     if path is None:
         raise ValueError("offline training needs `features=DIR`")
-    store = FeatureStore(path)
-    store.check_compatible(target_identity(target, hf_config))
+    try:
+        store = FeatureStore(path, target_identity(target, hf_config))
+    except StoreMismatchError as err:
+        raise StoreMismatchError(
+            f"{err} (extracted from another model, or by an older version: re-extract it)"
+        ) from None
     if len(store) == 0:
         raise DataError(f"feature store {path}: no samples")
     return store, checkpoint_identity(target, hf_config)

@@ -65,3 +65,10 @@ def test_random_models_hidden_is_lm_head_input(tmp_path, config_cls, model_cls):
     torch.testing.assert_close(target.model(ids).logits, logits)
     assert target.max_len == 128
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "runs/models/missing", "./missing", ""])
+def test_a_missing_local_target_path_is_named_not_sent_to_the_hub(path):
+    """16.11: a local path that does not exist used to come back as a hub error about a repository id."""
+    with pytest.raises(FileNotFoundError, match=rf"target.path='{path}': no such directory"):
+        load_target(TargetConfig(path=path))
