@@ -63,6 +63,68 @@ def add_feature_noise(
     return features + ((u - 0.5) * 2.0 * amplitude).to(features.dtype)
 
 
+# Positions per chunk of the vocabulary projection: the [chunk, vocab] float32 intermediates stay near
+# 2^26 elements (256 MB) each whatever the sequence length (vocab 128k: 512 positions per chunk).
+CHUNK_ELEMENTS = 2**26
+
+
+def chunk_positions(vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Positions per chunk so that a [chunk, vocab] tensor holds about `chunk_elements` elements."""
+    return max(1, chunk_elements // max(vocab_size, 1))
+
+
+def _chunk_ce(
+    pred: torch.Tensor,  # [c, hidden] f^, requires grad when a gradient is wanted
+    target: torch.Tensor,  # [c, hidden] f
+    weight: torch.Tensor,  # [vocab, hidden]
+    target_ids: torch.Tensor,  # [c]
+    soft: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed CE and top-1 agreement count of one chunk of positions (logits in float32)."""
+    draft_logp = torch.log_softmax((pred.to(weight.dtype) @ weight.T).float(), dim=-1)  # [c, vocab]
+    with torch.no_grad():
+        target_logits = (target.to(weight.dtype) @ weight.T).float()  # [c, vocab]
+        correct = (draft_logp.argmax(-1) == target_logits.argmax(-1)).sum()
+        target_p = torch.softmax(target_logits, dim=-1) if soft else None
+    if soft:
+        ce = -(target_p * draft_logp).sum()
+    else:
+        ce = F.nll_loss(draft_logp, target_ids, reduction="sum")
+    return ce, correct
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """The CE over N positions, a chunk at a time, with its gradient w.r.t. the predicted features taken
+    chunk by chunk in the forward (local autograd per chunk). Only the [N, hidden] gradient is kept for
+    the backward, never a [N, vocab] tensor: memory is bounded whatever N. The LM head is frozen (no
+    gradient). Same values and gradient as the one-shot computation (tests/test_loss.py)."""
+
+    @staticmethod
+    def forward(ctx, pred, target, weight, target_ids, soft: bool, chunk: int):
+        want_grad = pred.requires_grad
+        grad = torch.zeros_like(pred) if want_grad else None
+        ce = torch.zeros((), dtype=torch.float32, device=pred.device)
+        correct = torch.zeros((), dtype=torch.long, device=pred.device)
+        for lo in range(0, pred.shape[0], chunk):
+            part = pred[lo : lo + chunk].detach().requires_grad_(want_grad)
+            with torch.set_grad_enabled(want_grad):
+                part_ce, part_correct = _chunk_ce(
+                    part, target[lo : lo + chunk], weight, target_ids[lo : lo + chunk], soft
+                )
+            if want_grad:
+                (grad[lo : lo + chunk],) = torch.autograd.grad(part_ce, part)
+            ce += part_ce.detach()
+            correct += part_correct
+        ctx.save_for_backward(grad if want_grad else pred.new_zeros(0))
+        ctx.mark_non_differentiable(correct)
+        return ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_ce.to(grad.dtype), None, None, None, None, None
+
+
 def eagle_loss_sums(
     pred_hidden: torch.Tensor,  # [batch, seq, hidden] f^_{j+1}
     target_hidden: torch.Tensor,  # [batch, seq, hidden] f_{j+1}
@@ -70,27 +132,25 @@ def eagle_loss_sums(
     target_ids: torch.Tensor,  # [batch, seq] t_{j+2}
     loss_mask: torch.Tensor,  # [batch, seq] bool
     soft: bool = True,
+    chunk: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-term SUMS over the masked positions (divide by a token count to average).
 
     smooth_l1: SmoothL1(f^, f) averaged over the hidden dimension. ce: cross entropy of the draft
     distribution softmax(lm_head(f^)) against softmax(lm_head(f)) (soft) or the token t_{j+2} (hard).
     correct: positions where the draft's top-1 equals the target's greedy token argmax(lm_head(f)).
-    Only the masked positions go through the LM head, so a large vocabulary costs little memory.
+    Only the masked positions go through the LM head, `chunk` positions at a time (default:
+    `chunk_positions(vocab)`), so memory stays bounded at any sequence length and vocabulary. The
+    projection runs in the LM head's dtype (no float32 copy of it), softmax and sums in float32.
     """
     mask = loss_mask.bool()
     pred = pred_hidden[mask].float()  # [N, hidden]
     target = target_hidden[mask].float()  # [N, hidden]
-    weight = lm_head_weight.float()
     smooth_l1 = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).sum()
-    draft_logp = torch.log_softmax(pred @ weight.T, dim=-1)  # [N, vocab]
-    with torch.no_grad():
-        target_logits = target @ weight.T  # [N, vocab]
-    if soft:
-        ce = -(torch.softmax(target_logits, dim=-1) * draft_logp).sum(-1).sum()
-    else:
-        ce = F.nll_loss(draft_logp, target_ids[mask], reduction="sum")
-    correct = (draft_logp.argmax(-1) == target_logits.argmax(-1)).sum().detach()
+    chunk = chunk or chunk_positions(lm_head_weight.shape[0])
+    ce, correct = _ChunkedCE.apply(
+        pred, target.detach(), lm_head_weight.detach(), target_ids[mask], soft, chunk
+    )
     return {"smooth_l1": smooth_l1, "ce": ce, "correct": correct.float(), "tokens": mask.sum().float()}
 
 

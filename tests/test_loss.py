@@ -110,3 +110,65 @@ def test_no_noise_returns_the_input():
     assert add_feature_noise(x, "none") is x
     with pytest.raises(ValueError, match="noise mode"):
         add_feature_noise(x, "gaussian")
+
+
+def one_shot_ce(pred, target, weight, ids, soft=True):
+    """The CE over all positions at once (what the chunked loss must equal), float64."""
+    logp = torch.log_softmax(pred.double() @ weight.double().T, -1)
+    if soft:
+        return -(torch.softmax(target.double() @ weight.double().T, -1) * logp).sum()
+    return F.nll_loss(logp, ids, reduction="sum")
+
+
+@pytest.mark.parametrize("soft", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_ce_equals_the_one_shot_value_and_gradient(soft, chunk):
+    """Chunks of 1, 3 (uneven: 9 positions) and one chunk for all give the same CE, top-1 count and
+    gradient w.r.t. the predicted features as the one-shot computation."""
+    pred, target, weight, ids, mask = _random_case(4, b=3, n=5, vocab=13)
+    pred = pred.double().requires_grad_(True)
+    sums = eagle_loss_sums(pred, target.double(), weight.double(), ids, mask, soft, chunk=chunk)
+    sums["ce"].backward()
+    chunked_grad = pred.grad.clone()
+    pred.grad = None
+    p, t = pred[mask], target.double()[mask]
+    reference = one_shot_ce(p, t, weight, ids[mask], soft)
+    reference.backward()
+    torch.testing.assert_close(sums["ce"].double(), reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked_grad, pred.grad, rtol=1e-5, atol=1e-6)  # float32 inside
+    top1 = ((p @ weight.double().T).argmax(-1) == (t @ weight.double().T).argmax(-1)).sum()
+    assert int(sums["correct"]) == int(top1)
+
+
+def loss_peak_bytes(positions: int, vocab: int, hidden: int = 32, chunk: int = 128) -> int:
+    """Peak bytes of torch CPU allocations during one loss forward + backward over `positions` masked
+    positions (the allocator's own events, via the profiler: deterministic, inputs excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    pred = torch.randn(1, positions, hidden, generator=g, requires_grad=True)
+    target = torch.randn(1, positions, hidden, generator=g)
+    weight = torch.randn(vocab, hidden, generator=g)
+    ids = torch.randint(0, vocab, (1, positions), generator=g)
+    mask = torch.ones(1, positions, dtype=torch.bool)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        sums = eagle_loss_sums(pred, target, weight, ids, mask, chunk=chunk)
+        (sums["smooth_l1"] + 0.1 * sums["ce"]).backward()
+    live = peak = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]":
+            live += event.nbytes()
+            peak = max(peak, live)
+    return peak
+
+
+def test_loss_memory_is_flat_in_sequence_length():
+    """Peak memory of the loss (forward + backward) over 512 vs 4096 positions, vocabulary 4096: it
+    grows only by the [positions, hidden] tensors, never by a [positions, vocab] one (a single
+    [3584, 4096] float32 tensor is 56 MiB; the one-shot loss held several)."""
+    vocab, hidden = 4096, 32
+    short, long = loss_peak_bytes(512, vocab, hidden), loss_peak_bytes(4096, vocab, hidden)
+    per_position_vocab = (4096 - 512) * vocab * 4
+    assert long - short < 32 * (4096 - 512) * hidden * 4  # a few [positions, hidden] float32 tensors
+    assert long - short < per_position_vocab / 4
+    assert long < 16 * 128 * vocab * 4  # a few [chunk, vocab] tensors at most

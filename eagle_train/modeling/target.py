@@ -100,9 +100,10 @@ class Target:
         return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
 
     def length_limit(self, requested: int | None = None) -> int:
-        """The longest sequence a stage uses: `requested` (data.max_len) when given, never beyond
-        `max_len`. The one home of this rule (extraction, online training, regeneration)."""
-        return min(requested or self.max_len, self.max_len)
+        """The longest training sequence: `requested` (data.max_len) when given, else the preset's
+        `train_max_len`, else `max_len`; never beyond `max_len`. The one home of this rule (extraction,
+        online training, regeneration)."""
+        return min(requested or self.cfg.train_max_len or self.max_len, self.max_len)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
