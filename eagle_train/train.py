@@ -117,16 +117,26 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
     return RunData(source, train, held_out, make_batch, identity, sources), target
 
 
-def build_head(cfg: TrainConfig, target: Target) -> DraftHead:
-    """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head."""
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_head(cfg: TrainConfig, target: Target, frozen_dtype: torch.dtype = torch.float32) -> DraftHead:
+    """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head.
+
+    The trained weights (fc, layers) are float32 (mixed precision keeps fp32 masters); the frozen
+    vocabulary-sized matrices are held once, in the working dtype (`frozen_dtype`: bf16 under bf16
+    mixed precision): at a 128k vocabulary an fp32 copy of each costs 2.1 GB per process."""
     if cfg.draft.path:
         head, meta = load_head(resolve_path(cfg.draft.path))
         warn_other_target(resolve_path(cfg.draft.path), meta, target)  # initial weights for another target
     else:
         torch.manual_seed(cfg.seed)
         head = DraftHead.from_target(target.config, cfg.draft.num_layers, cfg.draft.fc_bias)
+    head.float()
+    head.embed_tokens.to(frozen_dtype)
+    head.lm_head.to(frozen_dtype)
     head.share_target_weights(target.embed_tokens, target.lm_head)
-    return head.float()
+    return head
 
 
 def step_batches(
@@ -313,7 +323,7 @@ class Session:
     model: Any  # the prepared head (DDP / DeepSpeed engine / plain module)
     optimizer: Any  # the prepared AdamW
     data: RunData
-    lm_weight: torch.Tensor  # the target's frozen LM head [vocab, hidden] on the device
+    lm_weight: torch.Tensor  # the head's frozen LM head [vocab, hidden] (the target's, working dtype)
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
     identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
@@ -329,12 +339,12 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     out_dir = Path(cfg.out_dir)
     on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
-    head = build_head(cfg, target)
-    lm_weight = head.lm_head.weight.to(accelerator.device)
+    head = build_head(cfg, target, FROZEN_DTYPES.get(str(accelerator.mixed_precision), torch.float32))
     optimizer = build_optimizer(head, cfg.optim)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
+    lm_weight = accelerator.unwrap_model(model).lm_head.weight  # the head's own frozen copy, no other
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "

@@ -86,6 +86,45 @@ def test_schema_keys_need_no_plus_on_the_command_line():
 # ---------------------------------------------------------------- end to end
 
 
+def vocabulary_storages(session) -> dict[int, torch.dtype]:
+    """Distinct storages (data pointer -> dtype) of every vocabulary-sized tensor the session holds."""
+    vocab = session.lm_weight.shape[0]
+    head = session.accelerator.unwrap_model(session.model)
+    tensors = [session.lm_weight, *(p for p in head.parameters() if p.shape[0] == vocab and p.ndim == 2)]
+    return {t.untyped_storage().data_ptr(): t.dtype for t in tensors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, frozen", [("bf16", torch.bfloat16), ("no", torch.float32)])
+def test_one_frozen_copy_of_each_vocabulary_matrix_in_the_working_dtype(
+    tiny_store, tmp_path, precision, frozen
+):
+    """The frozen embedding and LM head are held once per process, in the working dtype (bf16 under bf16
+    mixed precision; at a 128k vocabulary an fp32 copy costs 2.1 GB), the loss reads the head's own LM
+    head (no second copy on the device), the trained weights stay float32, and a bf16 run trains."""
+    from accelerate.state import AcceleratorState
+
+    from eagle_train.train import fit, setup
+
+    AcceleratorState._reset_state(True)
+    try:
+        cfg = make_cfg(tiny_store, tmp_path, f"mixed_precision={precision}", "max_steps=2", "log_every=1",
+                       "eval_every=0", "save_every=0")  # fmt: skip
+        session, state = setup(cfg)
+        head = session.accelerator.unwrap_model(session.model)
+        assert vocabulary_storages(session) == {
+            head.embed_tokens.weight.data_ptr(): frozen,
+            head.lm_head.weight.data_ptr(): frozen,
+        }
+        assert session.lm_weight is head.lm_head.weight
+        assert all(p.dtype == torch.float32 for p in head.parameters() if p.requires_grad)
+        fit(cfg, session, state)
+        losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+        assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 @pytest.mark.slow
 def test_loss_falls_and_checkpoints_are_written(tiny_store, tmp_path):
     out = tmp_path / "run"

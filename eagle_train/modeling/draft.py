@@ -179,5 +179,6 @@ class DraftHead(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the target's LM head: [..., hidden] -> [..., vocab]."""
-        return self.lm_head(hidden)
+        """Draft logits through the target's LM head: [..., hidden] -> [..., vocab] (in the LM head's
+        dtype, which may be the working bf16 while the trained weights are float32)."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
