@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagle_train.logits import LogitTransform
+
 NOISE_MODES = ("uniform", "length_scaled", "none")
 
 
@@ -79,11 +81,15 @@ def _chunk_ce(
     weight: torch.Tensor,  # [vocab, hidden]
     target_ids: torch.Tensor,  # [c]
     soft: bool,
+    transform: LogitTransform,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed CE and top-1 agreement count of one chunk of positions (logits in float32)."""
-    draft_logp = torch.log_softmax((pred.to(weight.dtype) @ weight.T).float(), dim=-1)  # [c, vocab]
+    """Summed CE and top-1 agreement count of one chunk of positions (logits in float32, processed as
+    the target processes its own)."""
+    draft_logp = torch.log_softmax(
+        transform((pred.to(weight.dtype) @ weight.T).float()), dim=-1
+    )  # [c, vocab]
     with torch.no_grad():
-        target_logits = (target.to(weight.dtype) @ weight.T).float()  # [c, vocab]
+        target_logits = transform((target.to(weight.dtype) @ weight.T).float())  # [c, vocab]
         correct = (draft_logp.argmax(-1) == target_logits.argmax(-1)).sum()
         target_p = torch.softmax(target_logits, dim=-1) if soft else None
     if soft:
@@ -100,7 +106,7 @@ class _ChunkedCE(torch.autograd.Function):
     gradient). Same values and gradient as the one-shot computation (tests/test_loss.py)."""
 
     @staticmethod
-    def forward(ctx, pred, target, weight, target_ids, soft: bool, chunk: int):
+    def forward(ctx, pred, target, weight, target_ids, soft: bool, chunk: int, transform: LogitTransform):
         want_grad = pred.requires_grad
         grad = torch.zeros_like(pred) if want_grad else None
         ce = torch.zeros((), dtype=torch.float32, device=pred.device)
@@ -109,7 +115,7 @@ class _ChunkedCE(torch.autograd.Function):
             part = pred[lo : lo + chunk].detach().requires_grad_(want_grad)
             with torch.set_grad_enabled(want_grad):
                 part_ce, part_correct = _chunk_ce(
-                    part, target[lo : lo + chunk], weight, target_ids[lo : lo + chunk], soft
+                    part, target[lo : lo + chunk], weight, target_ids[lo : lo + chunk], soft, transform
                 )
             if want_grad:
                 (grad[lo : lo + chunk],) = torch.autograd.grad(part_ce, part)
@@ -122,7 +128,7 @@ class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_ce.to(grad.dtype), None, None, None, None, None
+        return grad * grad_ce.to(grad.dtype), None, None, None, None, None, None
 
 
 def eagle_loss_sums(
@@ -133,11 +139,13 @@ def eagle_loss_sums(
     loss_mask: torch.Tensor,  # [batch, seq] bool
     soft: bool = True,
     chunk: int | None = None,
+    transform: LogitTransform | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-term SUMS over the masked positions (divide by a token count to average).
 
     smooth_l1: SmoothL1(f^, f) averaged over the hidden dimension. ce: cross entropy of the draft
-    distribution softmax(lm_head(f^)) against softmax(lm_head(f)) (soft) or the token t_{j+2} (hard).
+    distribution softmax(T(lm_head(f^))) against softmax(T(lm_head(f))) (soft) or the token t_{j+2}
+    (hard), T the target's output processing (`transform`, eagle_train.logits; default none).
     correct: positions where the draft's top-1 equals the target's greedy token argmax(lm_head(f)).
     Only the masked positions go through the LM head, `chunk` positions at a time (default:
     `chunk_positions(vocab)`), so memory stays bounded at any sequence length and vocabulary. The
@@ -148,8 +156,9 @@ def eagle_loss_sums(
     target = target_hidden[mask].float()  # [N, hidden]
     smooth_l1 = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).sum()
     chunk = chunk or chunk_positions(lm_head_weight.shape[0])
+    transform = transform or LogitTransform()
     ce, correct = _ChunkedCE.apply(
-        pred, target.detach(), lm_head_weight.detach(), target_ids[mask], soft, chunk
+        pred, target.detach(), lm_head_weight.detach(), target_ids[mask], soft, chunk, transform
     )
     return {"smooth_l1": smooth_l1, "ce": ce, "correct": correct.float(), "tokens": mask.sum().float()}
 

@@ -28,6 +28,7 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
 from eagle_train.entry import on_main, stage_lock, stage_main
 from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
+from eagle_train.logits import LogitTransform
 from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import load_head, save_head
@@ -135,7 +136,7 @@ def build_head(cfg: TrainConfig, target: Target, frozen_dtype: torch.dtype = tor
     head.float()
     head.embed_tokens.to(frozen_dtype)
     head.lm_head.to(frozen_dtype)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head
 
 
@@ -154,6 +155,7 @@ def train_step(
     accelerator: Accelerator,
     lm_weight: torch.Tensor,
     noise_seeds: list[int],
+    logit_transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Forward/backward over this process's micro-batches; returns summed terms
     [smooth_l1, ce, correct, tokens, positions] (not yet reduced across processes).
@@ -180,6 +182,7 @@ def train_step(
                 batch["target_ids"],
                 batch["loss_mask"],
                 cfg.loss.soft,
+                transform=logit_transform,
             )
             terms = combine_terms(sums, global_tokens[0], cfg.loss.feature_weight, cfg.loss.token_weight)
             accelerator.backward(terms["loss"] * scale)
@@ -247,6 +250,7 @@ def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Acce
                 batch["target_ids"],
                 batch["loss_mask"],
                 cfg.loss.soft,
+                transform=head.logit_transform,
             )
         totals["smooth_l1"] += float(sums["smooth_l1"])
         totals["ce"] += float(sums["ce"])
@@ -324,6 +328,7 @@ class Session:
     optimizer: Any  # the prepared AdamW
     data: RunData
     lm_weight: torch.Tensor  # the head's frozen LM head [vocab, hidden] (the target's, working dtype)
+    logit_transform: LogitTransform  # the target's output processing (eagle_train.logits)
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
     identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
@@ -344,7 +349,8 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
-    lm_weight = accelerator.unwrap_model(model).lm_head.weight  # the head's own frozen copy, no other
+    prepared_head = accelerator.unwrap_model(model)
+    lm_weight = prepared_head.lm_head.weight  # the head's own frozen copy, no other
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
@@ -375,6 +381,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         optimizer,
         data,
         lm_weight,
+        prepared_head.logit_transform,
         out_dir,
         meta,
         identity,
@@ -441,7 +448,13 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         lr = lr_at(state["step"], s.total, cfg.optim)
         set_lr(s.optimizer, lr)
         terms = train_step(
-            s.model, batches, cfg, acc, s.lm_weight, noise_seeds(cfg, state, acc, len(batches))
+            s.model,
+            batches,
+            cfg,
+            acc,
+            s.lm_weight,
+            noise_seeds(cfg, state, acc, len(batches)),
+            s.logit_transform,
         )
         try:
             check_finite("training loss (summed SmoothL1, CE)", acc.reduce(terms[:2].clone(), "sum"))

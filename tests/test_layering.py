@@ -3,8 +3,8 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
   0 foundation   config/*, files, lock                   stdlib, omegaconf
-  1 pure cores   loss, metrics, kv_cache, decoding/*, report, report_engines, data/batching, data/jsonl,
-                 data/templates
+  1 pure cores   loss, logits, metrics, kv_cache, decoding/*, report, report_engines, data/batching,
+                 data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
                  importers besides stages), store, shard, engines/* (a serving engine in its own
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, int]] = [
     ("files", 0),
     ("lock", 0),
     ("loss", 1),
+    ("logits", 1),
     ("metrics", 1),
     ("kv_cache", 1),
     ("decoding", 1),
