@@ -84,8 +84,35 @@ def test_write_report_files(records, tmp_path):
     assert "| tiny | chain | 2 | 5 | 2.40 | 24.0 | 2.40x | 1/2 | 0.60 | 1.00 | 0.33 |" in md
     # sanity: too few rounds and a non-identical greedy answer are both flagged
     assert any("only 5 rounds" in n for n in report["sanity"])
-    assert any("1 of 2 greedy answers differ" in n for n in report["sanity"])
+    assert any("1 of 2 greedy answers differ from ar other than at a near-tie" in n for n in report["sanity"])
     assert "WARNING" in md and "![speedup](speedup.png)" in md
+
+
+def test_near_ties_are_counted_apart_from_real_divergences(records, tmp_path):
+    """A differing greedy answer whose first differing token is a near-tie is counted as such and is no
+    lossless warning; a real divergence is; an answer whose prompt differs from ar's is not compared."""
+    chain = [r for r in records if r["method"] == "chain"]
+    chain[1]["divergence"] = {"kind": "near_tie", "index": 3, "gap": 0.0625, "ulp": 0.0625, "tokens": [5, 6]}
+    meta = {"temperature": 0.0, "near_tie_ulps": 4, "target_dtype": "bfloat16"}
+    report = write_report(records, tmp_path, meta=meta, min_rounds=2, plots=False)
+    row = next(r for r in report["results"] if r["method"] == "chain")
+    assert (row["identical"], row["near_ties"], row["divergences"]) == (1, 1, 0)
+    assert report["sanity"] == []
+    assert (
+        report["identity"][0]
+        == "tiny/chain: greedy identity: 1 identical, 1 near-tie, 0 real divergence, of 2"
+    )
+    md = (tmp_path / "report.md").read_text()
+    assert "| 1/2 (1 near-tie) |" in md and "within 4 ulps of the top logit (bfloat16)" in md
+    chain[1]["divergence"]["kind"] = "divergence"
+    report = write_report(records, tmp_path, meta=meta, min_rounds=2, plots=False)
+    assert report["sanity"] == [
+        "tiny/chain: 1 of 2 greedy answers differ from ar other than at a near-tie: the decoder is not lossless here"
+    ]
+    chain[1].update(identical=None, identity="prompt_differs")
+    del chain[1]["divergence"]
+    report = write_report(records, tmp_path, meta=meta, min_rounds=2, plots=False)
+    assert report["sanity"] == [] and "(1 more not comparable" in report["identity"][0]
 
 
 def test_sanity_clean_when_numbers_hold(records, tmp_path):

@@ -15,7 +15,8 @@ Public API (batch size 1):
 on a static KV cache); `head` a `DraftModel` (`DraftHead` with the target's embedding / LM head shared;
 None for `ar`). Methods: `ar` plain decoding in this harness (same cache code, one target forward per
 token), `chain`, `eagle1` (the static tree `cfg.tree_paths`), `eagle2` (dynamic tree). The method is
-chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token;
+chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token (in float32;
+below it, up to near-ties: `decoding.identity`);
 temperature > 0: lossless rejection sampling (`decoding.verify`), the output is distributed as the
 target's. Hugging Face `generate`, the second baseline, lives outside this pure decoder
 (`eagle_train.modeling.hf_generate`).
