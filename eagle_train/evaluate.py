@@ -52,12 +52,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def evaluated_methods(cfg: EvaluateConfig, target: Target) -> list[str]:
+    """cfg.methods, plus `hf` when decode-time forwards cannot use the target's own attention (e.g.
+    flash_attention_2 takes no tree mask: ar and the trees run sdpa): HF generate then shows how fast
+    plain decoding runs on the target's own kernel, next to the ar baseline."""
+    methods = list(cfg.methods)
+    if target.decode_attention != target.config._attn_implementation and "hf" not in methods:
+        methods.append("hf")
+    return methods
+
+
 def make_decoders(cfg: EvaluateConfig, target: Target) -> dict[str, SpeculativeDecoder | HFGenerate]:
     """One decoder per method (ar first when present); the head is loaded once if any method needs it."""
-    needs_head = any(m not in ("ar", "hf") for m in cfg.methods)
+    methods = evaluated_methods(cfg, target)
+    needs_head = any(m not in ("ar", "hf") for m in methods)
     head = load_draft(cfg.draft.path, target) if needs_head else None
     decoders: dict[str, SpeculativeDecoder | HFGenerate] = {}
-    for method in sorted(cfg.methods, key=lambda m: m != BASELINE):
+    for method in sorted(methods, key=lambda m: m != BASELINE):
         decode = dataclasses.replace(cfg.decode, method=method)
         decoders[method] = (
             HFGenerate(target, decode) if method == "hf" else SpeculativeDecoder(target, head, decode)
@@ -288,7 +299,8 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
         "target": f"{cfg.target.name} ({target.source})",
         "draft": cfg.draft.path,
         "benchmarks": ", ".join(bench_name(b) for b in cfg.bench),
-        "methods": ", ".join(cfg.methods),
+        "methods": ", ".join(evaluated_methods(cfg, target)),
+        "attention": attention_meta(target),
         "engines": "builtin"
         + (
             f", vllm ({cfg.engine_url or 'started from ' + str(cfg.engine_python or '.venv-vllm')})"
@@ -304,6 +316,14 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
         "torch": torch.__version__,
         "eval_seconds": round(seconds, 1),
     }
+
+
+def attention_meta(target: Target) -> str:
+    """The attention kernels of the run: decode-time forwards (ar, chain, eagle1, eagle2) and HF generate."""
+    own, decode = target.config._attn_implementation, target.decode_attention
+    if own == decode:
+        return own
+    return f"{decode} for ar/chain/eagle1/eagle2 (the tree mask needs it), {own} for hf"
 
 
 def run(cfg: EvaluateConfig) -> dict:

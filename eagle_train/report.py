@@ -182,6 +182,21 @@ def sanity_checks(rows: list[dict], min_rounds: int, greedy: bool) -> list[str]:
             )
         if row["tau"] is not None and row["tau"] < 1.0:
             notes.append(f"{name}: tau {row['tau']:.2f} < 1 is impossible: the round statistics are wrong")
+    return notes + slow_baseline_notes(rows)
+
+
+def slow_baseline_notes(rows: list[dict]) -> list[str]:
+    """A bench where HF generate (`hf`) decodes faster than the ar baseline: the speedups are then over a
+    slower plain decoding than the target can do (e.g. ar on sdpa, hf on flash_attention_2)."""
+    speed = {(r["bench"], r["method"]): r["tokens_per_s"] for r in rows}
+    notes = []
+    for (bench, method), hf in speed.items():
+        ar = speed.get((bench, BASELINE))
+        if method == "hf" and hf and ar and hf > 1.05 * ar:
+            notes.append(
+                f"{bench}: hf (HF generate) decodes at {hf / ar:.2f}x ar's tokens/s: the speedups over ar are "
+                "over a slower baseline than the target's fastest plain decoding; compare with hf's row"
+            )
     return notes
 
 

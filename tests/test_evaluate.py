@@ -142,6 +142,23 @@ def test_a_decoder_that_accepts_wrong_tokens_is_a_real_divergence(
     )
 
 
+def test_a_flash_attention_target_is_evaluated_with_hf_beside_ar(target_cfg, target, head_dir):
+    """With flash_attention_2 the in-harness decoding (ar and the trees) runs sdpa, so HF generate on the
+    target's own kernel is added next to ar and the run's attention is stated in the report."""
+    from eagle_train.evaluate import attention_meta, evaluated_methods
+    from eagle_train.modeling.target import load_target
+
+    cfg = EvaluateConfig(target=target_cfg, draft=DraftConfig(path=str(head_dir)), methods=["ar", "eagle2"])
+    assert evaluated_methods(cfg, target) == ["ar", "eagle2"] and attention_meta(target) == "sdpa"
+    flash = load_target(target_cfg)
+    flash.model.config._attn_implementation = "flash_attention_2"  # as loading with it would (no CUDA here)
+    assert evaluated_methods(cfg, flash) == ["ar", "eagle2", "hf"]
+    assert (
+        attention_meta(flash)
+        == "sdpa for ar/chain/eagle1/eagle2 (the tree mask needs it), flash_attention_2 for hf"
+    )
+
+
 def test_config_from_hydra_and_errors(tmp_path):
     cfg = to_schema(
         compose("evaluate", overrides=["draft.path=/x", "bench=qa", "num_questions=3"]), EvaluateConfig

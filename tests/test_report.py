@@ -115,6 +115,23 @@ def test_near_ties_are_counted_apart_from_real_divergences(records, tmp_path):
     assert report["sanity"] == [] and "(1 more not comparable" in report["identity"][0]
 
 
+def test_a_baseline_slower_than_hf_generate_is_flagged(records, tmp_path):
+    """ar slower than HF generate (e.g. ar on sdpa, hf on flash_attention_2): the speedups are over a slow
+    baseline, and the report says so next to hf's row."""
+    hf = [dict(r, method="hf", identical=True) for r in records if r["method"] == "ar"]
+    for r in hf:
+        r["wall_s"] = r["wall_s"] / 1.5
+    report = write_report(records + hf, tmp_path, meta={"temperature": 0.0}, min_rounds=2, plots=False)
+    assert (
+        "tiny: hf (HF generate) decodes at 1.50x ar's tokens/s: the speedups over ar are over a slower "
+        "baseline than the target's fastest plain decoding; compare with hf's row"
+    ) in report["sanity"]
+    for r in hf:
+        r["wall_s"] = r["wall_s"] * 1.5  # as fast as ar: nothing to say
+    report = write_report(records + hf, tmp_path, meta={"temperature": 0.0}, min_rounds=2, plots=False)
+    assert not any("hf (HF generate)" in n for n in report["sanity"])
+
+
 def test_sanity_clean_when_numbers_hold(records, tmp_path):
     good = [r for r in records if r["identical"] is not False]
     report = write_report(good, tmp_path, meta={"temperature": 0.0}, min_rounds=2, plots=False)

@@ -27,7 +27,8 @@ class TargetConfig:
     # Longest TRAINING sequence (extraction, online training) when data.max_len is not set; null = max_len.
     # The GPU presets set 2048 (the reference's): a 128k context would keep 10-30k-token conversations.
     train_max_len: int | None = None
-    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2
+    # eager | sdpa | flash_attention_2 (flash takes no 4-D tree mask: decoding runs sdpa, hf keeps flash)
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

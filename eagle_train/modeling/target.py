@@ -15,9 +15,11 @@ through `HFCacheView`, which speaks the `Cache.update(key, value, layer_idx)` ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,10 @@ from eagle_train.config.target import TargetConfig
 from eagle_train.kv_cache import StaticKVCache, attention_shape
 from eagle_train.logits import LogitTransform
 
+log = logging.getLogger(__name__)
+# Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
+# its ancestors). flash_attention_2 reads a 4-D mask as a 2-D padding mask; the rest are not checked.
+DECODE_ATTENTION = ("eager", "sdpa")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config fields of the logit processing a ForCausalLM applies after its LM head (see eagle_train.logits).
 LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
@@ -215,6 +221,24 @@ class Target:
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
 
+    @functools.cached_property
+    def decode_attention(self) -> str:
+        """The attention implementation of decode-time forwards (`decode`: tree verification, and `ar`, the
+        same cache code): the model's own when it takes a 4-D mask (eager, sdpa), else sdpa (eager for a
+        model without sdpa). Extraction, online training and HF `generate` keep the model's own."""
+        own = self.model.config._attn_implementation
+        if own in DECODE_ATTENTION:
+            return own
+        fallback = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
+        log.warning(
+            "attn_implementation=%s cannot take a tree's 4-D attention mask: decode-time forwards (tree "
+            "verification and the ar baseline) run %s; HF generate (method hf) keeps %s",
+            own,
+            fallback,
+            own,
+        )
+        return fallback
+
     def new_cache(self, capacity: int) -> StaticKVCache:
         """A preallocated KV cache for one sequence of up to `capacity` tokens."""
         config = self.model.config
@@ -239,18 +263,20 @@ class Target:
         """One cached forward of the stock model over new tokens. Their keys/values are written after
         the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
         Returns (logits [1, q, vocab], hidden [1, q, hidden]); hidden is the feature f (after the norm)."""
-        if self.model.config._attn_implementation == "eager":
+        attention = self.decode_attention
+        if attention == "eager":
             zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
             attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
         decoder, cache_kwarg, lm_head = self._decode_modules
         kwargs = {cache_kwarg: HFCacheView(cache)}
-        out = decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **kwargs,
-        )
+        with attention_implementation(self.model.config, attention):
+            out = decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                **kwargs,
+            )
         hidden = out.last_hidden_state
         logits = lm_head(hidden)
         return (logits if self.logit_transform.identity else self.logit_transform(logits)), hidden
@@ -261,6 +287,21 @@ class Target:
         signature check and `get_output_embeddings` cost tens of microseconds per forward."""
         decoder = self.decoder
         return decoder, _cache_kwarg(type(decoder)), self.lm_head
+
+
+@contextlib.contextmanager
+def attention_implementation(config, implementation: str):
+    """Run the model's forwards with another attention implementation (config and sub-configs), then
+    restore its own. Attention layers read the implementation from the config at each forward."""
+    own = config._attn_implementation
+    if own == implementation:
+        yield
+        return
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
 
 
 class HFCacheView:
