@@ -445,7 +445,7 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
             plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
         mine = step_batches(plan, state["cursor"], acc, cfg.grad_accum)
         batches = [s.data.make_batch(b) for b in mine]
-        lr = lr_at(state["step"], s.total, cfg.optim)
+        lr = lr_at(state["step"], s.total, cfg.optim, acc.num_processes)
         set_lr(s.optimizer, lr)
         terms = train_step(
             s.model,
