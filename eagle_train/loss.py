@@ -50,18 +50,25 @@ def add_feature_noise(
     mode: str = "uniform",
     scale: float = 0.1,
     generator: torch.Generator | None = None,
+    lengths: torch.Tensor | None = None,  # [batch] each sequence's token count (length_scaled)
 ) -> torch.Tensor:
     """Noise on the head's INPUT features (never on the regression target, never at evaluation).
 
-    uniform: f + U(-scale, scale) (the paper). length_scaled: the reference's
-    (rand - 0.5) * 2 * scale * 512 / seq, i.e. U(+-scale) only at sequence length 512.
+    uniform: f + U(-scale, scale) (the paper). length_scaled: the reference's (rand - 0.5) * 2 * scale *
+    512 / L with L each sequence's own token count (its stored hidden states, as the reference draws it
+    per sample), i.e. U(+-scale) only at length 512; `lengths` None = every row is seq + 1 tokens long
+    (no padding). The padded batch length is never used: a short sequence in a long batch keeps its own.
     """
     if mode == "none" or scale == 0:
         return features
     if mode not in NOISE_MODES:
         raise ValueError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
     u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
-    amplitude = scale * (512.0 / features.shape[1] if mode == "length_scaled" else 1.0)
+    amplitude = torch.full((features.shape[0], 1, 1), scale, device=features.device)
+    if mode == "length_scaled":
+        if lengths is None:
+            lengths = torch.full((features.shape[0],), features.shape[1] + 1)
+        amplitude = amplitude * 512.0 / lengths.to(features.device, torch.float32).view(-1, 1, 1)
     return features + ((u - 0.5) * 2.0 * amplitude).to(features.dtype)
 
 

@@ -173,7 +173,9 @@ def train_step(
         batch = batch_to(batch, accelerator.device, dtype)
         generator = torch.Generator(device=accelerator.device).manual_seed(noise_seeds[i])
         with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
-            features = add_feature_noise(batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator)
+            features = add_feature_noise(  # lengths: each sequence's tokens = its head positions + 1
+                batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator, batch["positions"] + 1
+            )
             pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
             sums = eagle_loss_sums(
                 pred,
@@ -292,9 +294,12 @@ def trim_metrics(out_dir: Path, step: int) -> None:
     atomic_write_lines(path, kept)
 
 
-def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """max_steps, or epochs full passes over the training plan."""
-    return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+def total_steps(cfg: TrainConfig, data: RunData, per_step: int) -> int:
+    """max_steps, or `epochs` full passes over the training plans (each epoch's own: with bucket_jitter or
+    bucket=false an epoch's micro-batch count varies a little)."""
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return sum(len(epoch_plan(cfg, data, epoch)) // per_step for epoch in range(cfg.epochs))
 
 
 def prepare_run_dir(cfg: TrainConfig, out_dir: Path) -> None:
@@ -333,7 +338,7 @@ class Session:
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
     identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
     per_step: int  # micro-batches per optimizer step over all processes
-    steps_per_epoch: int
+    steps_per_epoch: int  # of the first epoch (the others may differ by a few: see total_steps)
     total: int  # optimizer steps of the whole schedule
     stop: int  # where this invocation stops (stop_at_step or total)
     target: Target | None = None  # the frozen target (its tokenizer and stop ids for the engine evaluation)
@@ -364,7 +369,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
             f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
             f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
         )
-    total = total_steps(cfg, steps_per_epoch)
+    total = total_steps(cfg, data, per_step)
     identity = ckpt.run_identity(
         cfg, data.source_identity, accelerator.num_processes, precision_of(accelerator)
     )
@@ -402,7 +407,13 @@ def precision_of(accelerator: Accelerator) -> str:
 def epoch_plan(cfg: TrainConfig, data: RunData, epoch: int) -> list[list[int]]:
     """The micro-batches of one epoch (a pure function of the config and the epoch: resumable)."""
     return plan_epoch(
-        data.train, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, cfg.bucket, cfg.seed + epoch
+        data.train,
+        data.source.lengths,
+        cfg.max_tokens,
+        cfg.max_batch_size,
+        cfg.bucket,
+        cfg.seed + epoch,
+        cfg.bucket_jitter,
     )
 
 
@@ -436,13 +447,16 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
     """The loop: one optimizer step per iteration, logging, evaluation and checkpoints."""
     acc = s.accelerator
     bar = tqdm(total=s.stop, initial=state["step"], disable=not (cfg.progress and acc.is_local_main_process))
-    plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+    plan = epoch_plan(cfg, s.data, state["epoch"])
     window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
     while state["step"] < s.stop:
-        if state["cursor"] + s.per_step > s.steps_per_epoch * s.per_step:  # epoch done (remainder dropped)
+        if state["cursor"] + s.per_step > len(plan):  # epoch done (its remainder dropped)
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
-        if plan_index != state["epoch"]:
-            plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+            plan = epoch_plan(cfg, s.data, state["epoch"])
+            if len(plan) < s.per_step:
+                raise RuntimeError(
+                    f"epoch {state['epoch']}: {len(plan)} micro-batches < {s.per_step} per step"
+                )
         mine = step_batches(plan, state["cursor"], acc, cfg.grad_accum)
         batches = [s.data.make_batch(b) for b in mine]
         lr = lr_at(state["step"], s.total, cfg.optim, acc.num_processes)

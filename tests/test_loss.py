@@ -99,10 +99,23 @@ def test_uniform_noise_is_bounded_and_reproducible():
 
 def test_length_scaled_noise_follows_the_reference_formula():
     g = torch.Generator().manual_seed(0)
-    x = torch.zeros(1, 1024, 8)
+    x = torch.zeros(1, 1023, 8)  # a sequence of 1024 tokens has 1023 head positions
     noisy = add_feature_noise(x, "length_scaled", 0.1, g)
     u = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(noisy, (u - 0.5) * 0.2 * 512 / 1024)
+
+
+def test_length_scaled_noise_uses_each_sequences_own_length():
+    """In a padded batch, a 100-token sequence gets amplitude 0.1 * 512 / 100 and a 400-token one
+    0.1 * 512 / 400, as the reference (per sample) draws them; not the padded batch length's."""
+    x = torch.zeros(2, 399, 64)
+    noisy = add_feature_noise(
+        x, "length_scaled", 0.1, torch.Generator().manual_seed(0), torch.tensor([100, 400])
+    )
+    short, long = noisy[0, :99].abs().max(), noisy[1].abs().max()
+    assert 0.5 < short <= 0.512 and 0.125 < long <= 0.128
+    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(noisy[0], (u[0] - 0.5) * 0.2 * 512 / 100)
 
 
 def test_no_noise_returns_the_input():

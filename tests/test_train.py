@@ -171,6 +171,31 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(tiny_store, tmp_path)
 
 
 @pytest.mark.slow
+def test_epochs_run_over_each_epochs_own_plan(tiny_store, tmp_path):
+    """epochs=2 without max_steps, where the second epoch's plan has fewer micro-batches than the first
+    (unbucketed batches cut under a token budget; jittered buckets alike): the schedule's length is the
+    sum of both epochs' plans and every step has its micro-batches (the first epoch's count would run
+    the second past its end)."""
+    from accelerate import Accelerator
+
+    from eagle_train.train import epoch_plan, prepare_data
+
+    args = ("max_steps=null", "epochs=2", "log_every=1", "eval_every=0", "save_every=0", "bucket=false",
+            "max_batch_size=null", "max_tokens=700")  # fmt: skip
+    data, _ = prepare_data(make_cfg(tiny_store, tmp_path, *args), Accelerator(cpu=True))
+    for seed in range(50):  # a seed whose second epoch has fewer micro-batches than its first
+        cfg = make_cfg(tiny_store, tmp_path, *args, f"seed={seed}")
+        counts = [len(epoch_plan(cfg, data, e)) for e in range(2)]
+        if counts[1] < counts[0]:
+            break
+    assert counts[1] < counts[0]
+    run(cfg)
+    lines = [m for m in read_metrics(tmp_path) if "loss" in m]
+    assert [m["step"] for m in lines] == list(range(1, sum(counts) + 1))
+    assert lines[-1]["epoch"] == 1 and all(m["tokens_per_s"] > 0 for m in lines)
+
+
+@pytest.mark.slow
 def test_online_gives_the_offline_first_step_loss(tiny_store, tiny_conversations, tmp_path):
     args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0", "data.eval_fraction=0.1")
     run(make_cfg(tiny_store, tmp_path / "offline", *args))

@@ -127,6 +127,9 @@ class TrainConfig:
     max_tokens: int = 8192  # padded tokens per micro-batch per process (reference: 4 x 2048)
     max_batch_size: int | None = 4  # most sequences per micro-batch (reference: 4 per GPU)
     bucket: bool = True  # length-bucketed micro-batches (False: shuffled, cut in order)
+    # bucketed batches are sorted by length * (1 + U(0, jitter)), drawn anew each epoch: samples within ~5% of
+    # each other's length get new batch mates every epoch (measured: ~1.3% more padding; 0 = the same batches)
+    bucket_jitter: float = 0.05
     grad_accum: int = 1  # micro-batches per process per optimizer step
     mixed_precision: str = (
         "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
@@ -168,6 +171,8 @@ class TrainConfig:
             raise ValueError(
                 "eval_engine_every must be >= 0, eval_engine_prompts and eval_engine_max_new_tokens >= 1"
             )
+        if not 0.0 <= self.bucket_jitter <= 1.0:
+            raise ValueError(f"bucket_jitter must be in [0, 1], got {self.bucket_jitter}")
         if self.grad_accum < 1 or self.max_tokens < 1 or self.eval_depth < 1 or self.keep_last < 1:
             raise ValueError("grad_accum, max_tokens, eval_depth and keep_last must be >= 1")
         if self.log_every < 1 or self.epochs < 1 or (self.stop_at_step is not None and self.stop_at_step < 1):
