@@ -139,6 +139,7 @@ class SpeculativeDecoder:
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
+        self.min_room = 1  # draft positions a round needs before the context limit
         if cfg.method in ("chain", "eagle1"):
             paths = chain_paths(cfg.chain_length) if cfg.method == "chain" else cfg.tree_paths
             self.shape = shape_from_paths(paths)
@@ -148,6 +149,7 @@ class SpeculativeDecoder:
         elif cfg.method == "eagle2":
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
             self._expand = self._expand_dynamic
+            self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
 
@@ -203,7 +205,7 @@ class SpeculativeDecoder:
                     root_logp = drafter.catch_up(
                         torch.tensor(done.emitted, device=self.device), done.features
                     )
-            self._run_ar(root, out)  # no room left for a draft token: finish plainly
+            self._run_ar(root, out)  # no room left for the method's smallest tree: finish plainly
         finally:
             record_rounds(rounds, stats)
 
@@ -211,9 +213,10 @@ class SpeculativeDecoder:
         self, root: int, root_logp: torch.Tensor, drafter: Drafter, watch: Stopwatch
     ) -> Round | None:
         """One speculative round: draft a tree below `root` (no deeper than the context allows), verify
-        every node with one target forward, keep the accepted path. None when no draft token fits."""
+        every node with one target forward, keep the accepted path. None when the method's smallest tree
+        does not fit (the caller then finishes plainly)."""
         room = self.max_len - 1 - self.cache.seq_len  # draft positions left before the context limit
-        if room < 1:
+        if room < self.min_room:
             return None
         with watch("time_draft"):
             tree = self._expand(root, root_logp, drafter, room)

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import Round, SpeculativeDecoder, record_rounds
 from eagle_train.decoding.drafter import Drafter
-from eagle_train.decoding.expand import expand_static, plan_static
+from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.tree import build_tree, shape_from_paths
 from eagle_train.decoding.verify import accept_sampling, process_logits
@@ -76,6 +76,31 @@ def test_context_limit_like_autoregressive(target, target_cfg, random_head, trai
             assert generate(short, head, cfg, prompt, max_new_tokens=500).tokens == ar.tokens
     hf = generate(short, None, DecodeConfig(method="hf"), prompt, max_new_tokens=500)
     assert hf.tokens == ar.tokens
+
+
+@pytest.mark.slow
+def test_no_dynamic_round_one_step_before_the_context_limit(target, target_cfg, random_head, monkeypatch):
+    """One draft position before the context limit no EAGLE-2 tree fits (it is depth + 1 >= 2 deep): the
+    decoder finishes plainly instead of expanding with depth 0 (whose parents are corrupt), and the
+    output still equals plain decoding up to the limit."""
+    import eagle_train.decoding.decoder as decoder
+
+    depths = []
+
+    def recording(root, root_logp, drafter, depth, top_k, total_tokens):
+        depths.append(depth)
+        return expand_dynamic(root, root_logp, drafter, depth, top_k, total_tokens)
+
+    monkeypatch.setattr(decoder, "expand_dynamic", recording)
+    prompt = prompts(target, 1)[0]
+    for limit in range(len(prompt) + 3, len(prompt) + 12):  # every parity of where the rounds end
+        short = replace(target, cfg=replace(target_cfg, max_len=limit))
+        ar = generate(short, None, DecodeConfig(method="ar"), prompt, max_new_tokens=500)
+        result = generate(short, random_head, SPEC["eagle2"], prompt, max_new_tokens=500)
+        assert result.tokens == ar.tokens and result.stop_reason == "context"
+    assert depths and min(depths) >= 1
+    with pytest.raises(ValueError, match="depth >= 1"):
+        expand_dynamic(0, torch.zeros(8), lambda *a: torch.zeros(1, 8), 0, 2, 4)
 
 
 @pytest.mark.slow
