@@ -30,7 +30,7 @@ from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.identity import classify_divergence, first_divergence
+from eagle_train.decoding.identity import classify_answer
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
 from eagle_train.entry import stage_lock, stage_main
@@ -180,19 +180,11 @@ def check_identity(
 
 
 def divergence_classifier(target: Target, ulps: int) -> Callable[[list[int], list[int], list[int]], dict]:
-    """classify(prompt, ar_tokens, tokens): where the answers part and whether it is a near-tie, from the
-    target's logits on the common prefix (one forward, in the target's dtype)."""
+    """classify(prompt, ar_tokens, tokens) for a differing answer: where it parts from ar's and whether that
+    is a near-tie (decoding.identity), from the target's logits on the common prefix."""
 
     def classify(prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
-        index = first_divergence(reference, tokens)
-        if index is None or index >= min(len(reference), len(tokens)):  # a stop rule fired elsewhere
-            return {"index": index, "kind": "divergence", "gap": None, "ulp": None, "tokens": []}
-        ids = torch.tensor([prompt + reference[:index]], device=target.device)
-        logits = target.features(ids)[0][0, -1]  # [vocab]
-        return {
-            "index": index,
-            **classify_divergence(logits, reference[index], tokens[index], target.dtype, ulps),
-        }
+        return classify_answer(prompt, reference, tokens, target.next_logits, target.dtype, ulps)
 
     return classify
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
+from eagle_train.checks import peak_memory_bytes
 from eagle_train.loss import chunk_positions, eagle_loss_sums
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +54,7 @@ def measure(fn, positions: int, vocab: int, hidden: int, repeats: int) -> dict[s
         (sums["smooth_l1"] + 0.1 * sums["ce"]).backward()
         pred.grad = None
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = peak = 0
-    for event in prof.profiler.kineto_results.events():
-        if event.name() == "[memory]":
-            live += event.nbytes()
-            peak = max(peak, live)
+    peak = peak_memory_bytes(step, "cpu")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

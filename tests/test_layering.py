@@ -9,7 +9,7 @@ its layer allows:
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
                  importers besides stages), store, shard, engines/* (a serving engine in its own
                  environment; engines/vllm_worker runs there: stdlib + vllm only)   + safetensors
-  3 stage pieces training/*                              torch only (accelerate objects come in as arguments)
+  3 stage pieces training/*, checks                     torch only (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
 """
@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, int]] = [
     ("store", 2),
     ("shard", 2),
     ("training", 3),
+    ("checks", 3),
     ("entry", 4),
     *((stage, 4) for stage in sorted(STAGES)),
 ]

@@ -153,34 +153,14 @@ def test_chunked_ce_equals_the_one_shot_value_and_gradient(soft, chunk):
     assert int(sums["correct"]) == int(top1)
 
 
-def loss_peak_bytes(positions: int, vocab: int, hidden: int = 32, chunk: int = 128) -> int:
-    """Peak bytes of torch CPU allocations during one loss forward + backward over `positions` masked
-    positions (the allocator's own events, via the profiler: deterministic, inputs excluded)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    g = torch.Generator().manual_seed(0)
-    pred = torch.randn(1, positions, hidden, generator=g, requires_grad=True)
-    target = torch.randn(1, positions, hidden, generator=g)
-    weight = torch.randn(vocab, hidden, generator=g)
-    ids = torch.randint(0, vocab, (1, positions), generator=g)
-    mask = torch.ones(1, positions, dtype=torch.bool)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        sums = eagle_loss_sums(pred, target, weight, ids, mask, chunk=chunk)
-        (sums["smooth_l1"] + 0.1 * sums["ce"]).backward()
-    live = peak = 0
-    for event in prof.profiler.kineto_results.events():
-        if event.name() == "[memory]":
-            live += event.nbytes()
-            peak = max(peak, live)
-    return peak
-
-
 def test_loss_memory_is_flat_in_sequence_length():
     """Peak memory of the loss (forward + backward) over 512 vs 4096 positions, vocabulary 4096: it
     grows only by the [positions, hidden] tensors, never by a [positions, vocab] one (a single
     [3584, 4096] float32 tensor is 56 MiB; the one-shot loss held several)."""
+    from eagle_train.checks import loss_peak
+
     vocab, hidden = 4096, 32
-    short, long = loss_peak_bytes(512, vocab, hidden), loss_peak_bytes(4096, vocab, hidden)
+    short, long = (loss_peak(n, vocab, hidden, "cpu", torch.float32, chunk=128) for n in (512, 4096))
     per_position_vocab = (4096 - 512) * vocab * 4
     assert long - short < 32 * (4096 - 512) * hidden * 4  # a few [positions, hidden] float32 tensors
     assert long - short < per_position_vocab / 4

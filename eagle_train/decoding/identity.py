@@ -18,7 +18,7 @@ lossless". (On a CPU, stories260K in bf16 parts from plain decoding at a near-ti
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,3 +54,22 @@ def classify_divergence(
     ulp = logit_ulp(top, dtype)
     kind = "near_tie" if gap <= ulps * ulp else "divergence"
     return {"kind": kind, "gap": gap, "ulp": ulp, "tokens": [int(reference_token), int(token)]}
+
+
+def classify_answer(
+    prompt: list[int],
+    reference: list[int],  # plain decoding's answer
+    tokens: list[int],  # the speculative decoder's answer to the same prompt
+    next_logits: Callable[[list[int]], torch.Tensor],  # ids -> the target's logits [vocab] after them
+    dtype: torch.dtype,
+    ulps: int,
+) -> dict | None:
+    """None when the answers are equal; else where they part and how: {"index", "kind", "gap", "ulp",
+    "tokens"} (an answer that is a prefix of the other: a stop rule fired elsewhere, a real divergence)."""
+    index = first_divergence(reference, tokens)
+    if index is None:
+        return None
+    if index >= min(len(reference), len(tokens)):
+        return {"index": index, "kind": "divergence", "gap": None, "ulp": None, "tokens": []}
+    logits = next_logits(prompt + reference[:index])
+    return {"index": index, **classify_divergence(logits, reference[index], tokens[index], dtype, ulps)}

@@ -213,6 +213,12 @@ class Target:
         return self.logits(hidden), hidden
 
     @torch.no_grad()
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """The model's logits [vocab] for the token after `ids` (one forward)."""
+        logits, _ = self.features(torch.tensor([ids], device=self.device))
+        return logits[0, -1]
+
+    @torch.no_grad()
     def hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:

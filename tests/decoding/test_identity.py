@@ -44,35 +44,16 @@ def bf16_target(target_cfg):
 
 
 @pytest.mark.slow
-@torch.inference_mode()
 def test_bf16_tree_and_one_token_forwards_differ_only_at_near_ties(bf16_target):
     """The premise and the classification on real bf16 logits: one forward over 60 draft positions (what a
     chain verification computes) and 60 one-token forwards (plain decoding) over the same tokens give
     different logits; wherever their argmax differs, the two tokens are a near-tie."""
+    from eagle_train.checks import tree_versus_one_token
+
     target = bf16_target
-    flips = mismatched = 0
-    for prompt in prompts(target, 6):
-        ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=61)).generate(prompt)
-        seq = torch.tensor(prompt + ar.tokens[:60])
-        n, q = len(prompt), 60
-        one_token, cache = [], target.new_cache(n + q)
-        causal = torch.ones(n + q, n + q, dtype=torch.bool).tril()[None, None]
-        logits, _ = target.decode(seq[None, :n], torch.arange(n)[None], causal[..., :n, :n], cache)
-        cache.advance(n)
-        for i in range(n, n + q):  # plain decoding: one token at a time
-            step, _ = target.decode(
-                seq[None, i : i + 1], torch.tensor([[i]]), causal[..., i : i + 1, : i + 1], cache
-            )
-            cache.advance(1)
-            one_token.append(step[0, 0])
-        cache.crop(n)
-        tree, _ = target.decode(seq[None, n:], torch.arange(n, n + q)[None], causal[..., n:, :], cache)
-        one_token = torch.stack(one_token)  # [q, vocab]
-        mismatched += int((one_token != tree[0]).any(-1).sum())
-        for i in torch.nonzero(one_token.argmax(-1) != tree[0].argmax(-1)).flatten().tolist():
-            flips += 1
-            a, b = int(one_token[i].argmax()), int(tree[0, i].argmax())
-            assert classify_divergence(one_token[i], a, b, torch.bfloat16, ulps=4)["kind"] == "near_tie"
-            assert classify_divergence(tree[0, i], a, b, torch.bfloat16, ulps=4)["kind"] == "near_tie"
-    assert mismatched > 0  # bf16: the two forwards are not bit-identical
-    assert flips > 0  # and their argmax does flip at some positions of these prompts
+    ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=61))
+    found = [tree_versus_one_token(target, p, ar.generate(p).tokens[:60]) for p in prompts(target, 6)]
+    assert max(f["max_abs_diff"] for f in found) > 0  # bf16: the two forwards are not bit-identical
+    flips = sum(f["flips"] for f in found)
+    assert flips > 0  # their argmax does flip at some positions of these prompts
+    assert sum(f["flips_near_tie"] for f in found) == flips  # and each flip is a near-tie
