@@ -22,7 +22,7 @@ from eagle_train.shard import ShardFile
 from eagle_train.store import StoreError, StoreMismatchError, shard_name
 from eagle_train.train import run
 from eagle_train.training.optim import NonFiniteError
-from tests.conftest import STORIES260K, reseal
+from tests.conftest import STORIES260K, TINY_SHAPE, reseal
 
 
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
@@ -227,15 +227,7 @@ def test_a_store_extracted_from_a_real_other_model_is_refused(tiny_conversations
     from eagle_train.extract import run as extract
 
     model_dir = tmp_path / "tiny_qwen2"
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = Qwen2Config(**TINY_SHAPE, max_position_embeddings=512)
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(STORIES260K / name, model_dir / name)

@@ -30,18 +30,9 @@ from eagle_train.logits import LogitTransform
 from eagle_train.loss import eagle_loss_sums
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.target import check_output_logits, load_target
-from tests.conftest import STORIES260K
+from tests.conftest import STORIES260K, TINY_SHAPE
 
-SHAPE = dict(
-    vocab_size=512,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-)
+SHAPE = dict(**TINY_SHAPE, head_dim=8, max_position_embeddings=128)
 # Processing strong enough to change the distribution of a random model's small logits.
 MODELS = {
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"final_logit_softcapping": 0.5}, "eager"),
