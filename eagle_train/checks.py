@@ -187,7 +187,7 @@ def flash_attention_decoding(target_cfg: TargetConfig, device: str = "cuda") -> 
     result = {
         "emulated": emulated,
         "decode_attention": flash.decode_attention,
-        "restored": flash.model.config._attn_implementation == "flash_attention_2",
+        "restored": flash.attention == "flash_attention_2",
         "tree_logits_equal_sdpa": bool(torch.equal(same[0], same[1])),
         "eagle2_vs_ar": answer_kind(flash, prompt, ar_tokens, spec_tokens),
     }

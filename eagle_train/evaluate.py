@@ -57,7 +57,7 @@ def evaluated_methods(cfg: EvaluateConfig, target: Target) -> list[str]:
     flash_attention_2 takes no tree mask: ar and the trees run sdpa): HF generate then shows how fast
     plain decoding runs on the target's own kernel, next to the ar baseline."""
     methods = list(cfg.methods)
-    if target.decode_attention != target.config._attn_implementation and "hf" not in methods:
+    if target.decode_attention != target.attention and "hf" not in methods:
         methods.append("hf")
     return methods
 
@@ -312,7 +312,7 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
 
 def attention_meta(target: Target) -> str:
     """The attention kernels of the run: decode-time forwards (ar, chain, eagle1, eagle2) and HF generate."""
-    own, decode = target.config._attn_implementation, target.decode_attention
+    own, decode = target.attention, target.decode_attention
     if own == decode:
         return own
     return f"{decode} for ar/chain/eagle1/eagle2 (the tree mask needs it), {own} for hf"

@@ -227,12 +227,17 @@ class Target:
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
 
+    @property
+    def attention(self) -> str:
+        """The model's own attention implementation (its decoder's: a composite model's text model)."""
+        return self.decoder.config._attn_implementation
+
     @functools.cached_property
     def decode_attention(self) -> str:
         """The attention implementation of decode-time forwards (`decode`: tree verification, and `ar`, the
         same cache code): the model's own when it takes a 4-D mask (eager, sdpa), else sdpa (eager for a
         model without sdpa). Extraction, online training and HF `generate` keep the model's own."""
-        own = self.model.config._attn_implementation
+        own = self.attention
         if own in DECODE_ATTENTION:
             return own
         fallback = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
@@ -275,7 +280,7 @@ class Target:
             attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
         decoder, cache_kwarg, lm_head = self._decode_modules
         kwargs = {cache_kwarg: HFCacheView(cache)}
-        with attention_implementation(self.model.config, attention):
+        with attention_implementation(decoder.config, attention):
             out = decoder(
                 input_ids=input_ids,
                 position_ids=position_ids,
