@@ -24,9 +24,9 @@ TOP_K, TOKENS, RUNS = 3, 3, 1200
 SAMPLING = dict(temperature=1.0, top_k_sampling=TOP_K, max_new_tokens=TOKENS)
 CONFIGS = {
     "ar": DecodeConfig(method="ar"),
-    "chain": DecodeConfig(method="chain", chain_length=3),
+    "chain": DecodeConfig(method="chain", chain_length=3, sample_children=False),
     "chain_sampled": DecodeConfig(method="chain", chain_length=3, sample_children=True),
-    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
+    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63", sample_children=False),
     "eagle1_sampled": DecodeConfig(method="eagle1", tree="mc_sim_7b_63", sample_children=True),
     "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16),
 }
