@@ -3,7 +3,8 @@
 logits, softmax and log-softmax all at once), side by side at growing sequence lengths.
 
 Peak memory is the allocator's own peak of torch CPU allocations during one forward + backward
-(profiler memory events; inputs excluded, deterministic); time is the median of --repeats runs.
+(profiler memory events; inputs excluded, deterministic); time is the median of --repeats runs,
+interleaved with the other variant's.
 The one-shot loss is measured only up to --one-shot-max positions (it needs several [positions, vocab]
 float32 tensors). On a GPU, eagle_train.checks.loss_memory measures the same at Llama-3 sizes.
 
@@ -41,7 +42,8 @@ def one_shot_sums(pred, target, weight, target_ids, mask, soft=True, chunk=None)
     return {"smooth_l1": smooth_l1, "ce": ce, "correct": correct}
 
 
-def measure(fn, positions: int, vocab: int, hidden: int, repeats: int) -> dict[str, float]:
+def make_step(fn, positions: int, vocab: int, hidden: int):
+    """One forward + backward of `fn` over `positions` masked positions, on fixed random inputs."""
     g = torch.Generator().manual_seed(0)
     pred = torch.randn(1, positions, hidden, generator=g, requires_grad=True)
     target = torch.randn(1, positions, hidden, generator=g)
@@ -54,13 +56,22 @@ def measure(fn, positions: int, vocab: int, hidden: int, repeats: int) -> dict[s
         (sums["smooth_l1"] + 0.1 * sums["ce"]).backward()
         pred.grad = None
 
-    peak = peak_memory_bytes(step, "cpu")
-    times = []
+    return step
+
+
+def measure(fns: dict, positions: int, vocab: int, hidden: int, repeats: int) -> dict[str, dict]:
+    """Peak memory of each, then times in interleaved order (load on a shared CPU hits all alike)."""
+    steps = {name: make_step(fn, positions, vocab, hidden) for name, fn in fns.items()}
+    peaks = {name: peak_memory_bytes(step, "cpu") for name, step in steps.items()}
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"peak_mib": peak / 2**20, "seconds": statistics.median(times)}
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {
+        name: {"peak_mib": peaks[name] / 2**20, "seconds": statistics.median(times[name])} for name in steps
+    }
 
 
 def main() -> None:
@@ -76,13 +87,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for n in args.lengths:
-        chunked = measure(eagle_loss_sums, n, args.vocab, args.hidden, args.repeats)
-        shot = (
-            measure(one_shot_sums, n, args.vocab, args.hidden, args.repeats)
-            if n <= args.one_shot_max
-            else None
-        )
-        rows.append({"positions": n, "chunked": chunked, "one_shot": shot})
+        fns = {"chunked": eagle_loss_sums, **({"one_shot": one_shot_sums} if n <= args.one_shot_max else {})}
+        found = measure(fns, n, args.vocab, args.hidden, args.repeats)
+        rows.append({"positions": n, "chunked": found["chunked"], "one_shot": found.get("one_shot")})
     print(f"vocab {args.vocab}, hidden {args.hidden}, chunk {chunk_positions(args.vocab)} positions")
     print(
         f"{'positions':>9} | {'chunked MiB':>11} {'s':>7} | {'one-shot MiB':>12} {'s':>7} | {'mem ratio':>9} {'time ratio':>10}"
