@@ -104,13 +104,13 @@ def test_one_frozen_copy_of_each_vocabulary_matrix_in_the_working_dtype(
     head (no second copy on the device), the trained weights stay float32, and a bf16 run trains."""
     from accelerate.state import AcceleratorState
 
-    from eagle_train.train import fit, setup
+    from eagle_train.train import fit, make_accelerator, setup
 
     AcceleratorState._reset_state(True)
     try:
         cfg = make_cfg(tiny_store, tmp_path, f"mixed_precision={precision}", "max_steps=2", "log_every=1",
                        "eval_every=0", "save_every=0")  # fmt: skip
-        session, state = setup(cfg)
+        session, state = setup(cfg, make_accelerator(cfg))
         head = session.accelerator.unwrap_model(session.model)
         assert vocabulary_storages(session) == {
             head.embed_tokens.weight.data_ptr(): frozen,
