@@ -28,6 +28,7 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
 from eagle_train.entry import on_main, stage_lock, stage_main
 from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
+from eagle_train.logits import LogitTransform
 from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import load_head, save_head
@@ -117,16 +118,26 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
     return RunData(source, train, held_out, make_batch, identity, sources), target
 
 
-def build_head(cfg: TrainConfig, target: Target) -> DraftHead:
-    """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head."""
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_head(cfg: TrainConfig, target: Target, frozen_dtype: torch.dtype = torch.float32) -> DraftHead:
+    """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head.
+
+    The trained weights (fc, layers) are float32 (mixed precision keeps fp32 masters); the frozen
+    vocabulary-sized matrices are held once, in the working dtype (`frozen_dtype`: bf16 under bf16
+    mixed precision): at a 128k vocabulary an fp32 copy of each costs 2.1 GB per process."""
     if cfg.draft.path:
         head, meta = load_head(resolve_path(cfg.draft.path))
         warn_other_target(resolve_path(cfg.draft.path), meta, target)  # initial weights for another target
     else:
         torch.manual_seed(cfg.seed)
         head = DraftHead.from_target(target.config, cfg.draft.num_layers, cfg.draft.fc_bias)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
-    return head.float()
+    head.float()
+    head.embed_tokens.to(frozen_dtype)
+    head.lm_head.to(frozen_dtype)
+    head.share_target_weights(target)
+    return head
 
 
 def step_batches(
@@ -144,6 +155,7 @@ def train_step(
     accelerator: Accelerator,
     lm_weight: torch.Tensor,
     noise_seeds: list[int],
+    logit_transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Forward/backward over this process's micro-batches; returns summed terms
     [smooth_l1, ce, correct, tokens, positions] (not yet reduced across processes).
@@ -161,7 +173,9 @@ def train_step(
         batch = batch_to(batch, accelerator.device, dtype)
         generator = torch.Generator(device=accelerator.device).manual_seed(noise_seeds[i])
         with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
-            features = add_feature_noise(batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator)
+            features = add_feature_noise(  # lengths: each sequence's tokens = its head positions + 1
+                batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator, batch["positions"] + 1
+            )
             pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
             sums = eagle_loss_sums(
                 pred,
@@ -170,6 +184,7 @@ def train_step(
                 batch["target_ids"],
                 batch["loss_mask"],
                 cfg.loss.soft,
+                transform=logit_transform,
             )
             terms = combine_terms(sums, global_tokens[0], cfg.loss.feature_weight, cfg.loss.token_weight)
             accelerator.backward(terms["loss"] * scale)
@@ -237,6 +252,7 @@ def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Acce
                 batch["target_ids"],
                 batch["loss_mask"],
                 cfg.loss.soft,
+                transform=head.logit_transform,
             )
         totals["smooth_l1"] += float(sums["smooth_l1"])
         totals["ce"] += float(sums["ce"])
@@ -278,9 +294,12 @@ def trim_metrics(out_dir: Path, step: int) -> None:
     atomic_write_lines(path, kept)
 
 
-def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """max_steps, or epochs full passes over the training plan."""
-    return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+def total_steps(cfg: TrainConfig, data: RunData, per_step: int) -> int:
+    """max_steps, or `epochs` full passes over the training plans (each epoch's own: with bucket_jitter or
+    bucket=false an epoch's micro-batch count varies a little)."""
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return sum(len(epoch_plan(cfg, data, epoch)) // per_step for epoch in range(cfg.epochs))
 
 
 def prepare_run_dir(cfg: TrainConfig, out_dir: Path) -> None:
@@ -313,12 +332,13 @@ class Session:
     model: Any  # the prepared head (DDP / DeepSpeed engine / plain module)
     optimizer: Any  # the prepared AdamW
     data: RunData
-    lm_weight: torch.Tensor  # the target's frozen LM head [vocab, hidden] on the device
+    lm_weight: torch.Tensor  # the head's frozen LM head [vocab, hidden] (the target's, working dtype)
+    logit_transform: LogitTransform  # the target's output processing (eagle_train.logits)
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
     identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
     per_step: int  # micro-batches per optimizer step over all processes
-    steps_per_epoch: int
+    steps_per_epoch: int  # of the first epoch (the others may differ by a few: see total_steps)
     total: int  # optimizer steps of the whole schedule
     stop: int  # where this invocation stops (stop_at_step or total)
     target: Target | None = None  # the frozen target (its tokenizer and stop ids for the engine evaluation)
@@ -329,12 +349,13 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     out_dir = Path(cfg.out_dir)
     on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
-    head = build_head(cfg, target)
-    lm_weight = head.lm_head.weight.to(accelerator.device)
+    head = build_head(cfg, target, FROZEN_DTYPES.get(str(accelerator.mixed_precision), torch.float32))
     optimizer = build_optimizer(head, cfg.optim)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
+    prepared_head = accelerator.unwrap_model(model)
+    lm_weight = prepared_head.lm_head.weight  # the head's own frozen copy, no other
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
@@ -348,7 +369,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
             f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
             f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
         )
-    total = total_steps(cfg, steps_per_epoch)
+    total = total_steps(cfg, data, per_step)
     identity = ckpt.run_identity(
         cfg, data.source_identity, accelerator.num_processes, precision_of(accelerator)
     )
@@ -365,6 +386,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         optimizer,
         data,
         lm_weight,
+        prepared_head.logit_transform,
         out_dir,
         meta,
         identity,
@@ -385,7 +407,13 @@ def precision_of(accelerator: Accelerator) -> str:
 def epoch_plan(cfg: TrainConfig, data: RunData, epoch: int) -> list[list[int]]:
     """The micro-batches of one epoch (a pure function of the config and the epoch: resumable)."""
     return plan_epoch(
-        data.train, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, cfg.bucket, cfg.seed + epoch
+        data.train,
+        data.source.lengths,
+        cfg.max_tokens,
+        cfg.max_batch_size,
+        cfg.bucket,
+        cfg.seed + epoch,
+        cfg.bucket_jitter,
     )
 
 
@@ -419,19 +447,28 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
     """The loop: one optimizer step per iteration, logging, evaluation and checkpoints."""
     acc = s.accelerator
     bar = tqdm(total=s.stop, initial=state["step"], disable=not (cfg.progress and acc.is_local_main_process))
-    plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+    plan = epoch_plan(cfg, s.data, state["epoch"])
     window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
     while state["step"] < s.stop:
-        if state["cursor"] + s.per_step > s.steps_per_epoch * s.per_step:  # epoch done (remainder dropped)
+        if state["cursor"] + s.per_step > len(plan):  # epoch done (its remainder dropped)
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
-        if plan_index != state["epoch"]:
-            plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+            plan = epoch_plan(cfg, s.data, state["epoch"])
+            if len(plan) < s.per_step:
+                raise RuntimeError(
+                    f"epoch {state['epoch']}: {len(plan)} micro-batches < {s.per_step} per step"
+                )
         mine = step_batches(plan, state["cursor"], acc, cfg.grad_accum)
         batches = [s.data.make_batch(b) for b in mine]
-        lr = lr_at(state["step"], s.total, cfg.optim)
+        lr = lr_at(state["step"], s.total, cfg.optim, acc.num_processes)
         set_lr(s.optimizer, lr)
         terms = train_step(
-            s.model, batches, cfg, acc, s.lm_weight, noise_seeds(cfg, state, acc, len(batches))
+            s.model,
+            batches,
+            cfg,
+            acc,
+            s.lm_weight,
+            noise_seeds(cfg, state, acc, len(batches)),
+            s.logit_transform,
         )
         try:
             check_finite("training loss (summed SmoothL1, CE)", acc.reduce(terms[:2].clone(), "sum"))

@@ -21,6 +21,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The shape of the tiny random models of other families the tests build (vocabulary: stories260K's tokenizer).
+TINY_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 STORIES260K = DATA_DIR / "models" / "stories260K"
 DATA = DATA_DIR
 

@@ -221,7 +221,7 @@ def random_head(target, fc_bias: bool) -> DraftHead:
         for name, p in head.named_parameters():
             if name.startswith(("fc.", "layers.")):
                 p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.eval()
 
 

@@ -95,6 +95,19 @@ def test_stored_features_are_the_targets(target_cfg, target, tmp_path):
     assert counts["bytes_per_token"] > 64 * 4  # float32 hidden states dominate
 
 
+def test_the_presets_training_length_caps_extraction(target_cfg, tmp_path):
+    """Without data.max_len, conversations are cut at the preset's train_max_len (the GPU presets: 2048),
+    not at the target's full context (stories260K: 512); data.max_len still wins when given."""
+    from dataclasses import replace
+
+    capped = replace(target_cfg, train_max_len=40)
+    run(extract_cfg(capped, tmp_path / "preset", limit=6, max_len=None, dtype="float32"))
+    store = FeatureStore(tmp_path / "preset")
+    assert store.manifest["max_len"] == 40 and max(store.lengths) == 40
+    run(extract_cfg(capped, tmp_path / "data", limit=6, max_len=24, dtype="float32"))
+    assert FeatureStore(tmp_path / "data").manifest["max_len"] == 24
+
+
 def test_bfloat16_store_keeps_the_argmax(target_cfg, target, tmp_path):
     run(extract_cfg(target_cfg, tmp_path, limit=3))
     store = FeatureStore(tmp_path)

@@ -3,13 +3,13 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
   0 foundation   config/*, files, lock                   stdlib, omegaconf
-  1 pure cores   loss, metrics, kv_cache, decoding/*, report, report_engines, data/batching, data/jsonl,
-                 data/templates
+  1 pure cores   loss, logits, metrics, kv_cache, decoding/*, report, report_engines, data/batching,
+                 data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
                  importers besides stages), store, shard, engines/* (a serving engine in its own
                  environment; engines/vllm_worker runs there: stdlib + vllm only)   + safetensors
-  3 stage pieces training/*                              torch only (accelerate objects come in as arguments)
+  3 stage pieces training/*, checks                     torch only (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
 """
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, int]] = [
     ("files", 0),
     ("lock", 0),
     ("loss", 1),
+    ("logits", 1),
     ("metrics", 1),
     ("kv_cache", 1),
     ("decoding", 1),
@@ -44,6 +45,7 @@ LAYERS: list[tuple[str, int]] = [
     ("store", 2),
     ("shard", 2),
     ("training", 3),
+    ("checks", 3),
     ("entry", 4),
     *((stage, 4) for stage in sorted(STAGES)),
 ]

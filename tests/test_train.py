@@ -22,7 +22,7 @@ from eagle_train.shard import ShardFile
 from eagle_train.store import StoreError, StoreMismatchError, shard_name
 from eagle_train.train import run
 from eagle_train.training.optim import NonFiniteError
-from tests.conftest import STORIES260K, reseal
+from tests.conftest import STORIES260K, TINY_SHAPE, reseal
 
 
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
@@ -86,6 +86,45 @@ def test_schema_keys_need_no_plus_on_the_command_line():
 # ---------------------------------------------------------------- end to end
 
 
+def vocabulary_storages(session) -> dict[int, torch.dtype]:
+    """Distinct storages (data pointer -> dtype) of every vocabulary-sized tensor the session holds."""
+    vocab = session.lm_weight.shape[0]
+    head = session.accelerator.unwrap_model(session.model)
+    tensors = [session.lm_weight, *(p for p in head.parameters() if p.shape[0] == vocab and p.ndim == 2)]
+    return {t.untyped_storage().data_ptr(): t.dtype for t in tensors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, frozen", [("bf16", torch.bfloat16), ("no", torch.float32)])
+def test_one_frozen_copy_of_each_vocabulary_matrix_in_the_working_dtype(
+    tiny_store, tmp_path, precision, frozen
+):
+    """The frozen embedding and LM head are held once per process, in the working dtype (bf16 under bf16
+    mixed precision; at a 128k vocabulary an fp32 copy costs 2.1 GB), the loss reads the head's own LM
+    head (no second copy on the device), the trained weights stay float32, and a bf16 run trains."""
+    from accelerate.state import AcceleratorState
+
+    from eagle_train.train import fit, make_accelerator, setup
+
+    AcceleratorState._reset_state(True)
+    try:
+        cfg = make_cfg(tiny_store, tmp_path, f"mixed_precision={precision}", "max_steps=2", "log_every=1",
+                       "eval_every=0", "save_every=0")  # fmt: skip
+        session, state = setup(cfg, make_accelerator(cfg))
+        head = session.accelerator.unwrap_model(session.model)
+        assert vocabulary_storages(session) == {
+            head.embed_tokens.weight.data_ptr(): frozen,
+            head.lm_head.weight.data_ptr(): frozen,
+        }
+        assert session.lm_weight is head.lm_head.weight
+        assert all(p.dtype == torch.float32 for p in head.parameters() if p.requires_grad)
+        fit(cfg, session, state)
+        losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+        assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 @pytest.mark.slow
 def test_loss_falls_and_checkpoints_are_written(tiny_store, tmp_path):
     out = tmp_path / "run"
@@ -132,6 +171,31 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(tiny_store, tmp_path)
 
 
 @pytest.mark.slow
+def test_epochs_run_over_each_epochs_own_plan(tiny_store, tmp_path):
+    """epochs=2 without max_steps, where the second epoch's plan has fewer micro-batches than the first
+    (unbucketed batches cut under a token budget; jittered buckets alike): the schedule's length is the
+    sum of both epochs' plans and every step has its micro-batches (the first epoch's count would run
+    the second past its end)."""
+    from accelerate import Accelerator
+
+    from eagle_train.train import epoch_plan, prepare_data
+
+    args = ("max_steps=null", "epochs=2", "log_every=1", "eval_every=0", "save_every=0", "bucket=false",
+            "max_batch_size=null", "max_tokens=700")  # fmt: skip
+    data, _ = prepare_data(make_cfg(tiny_store, tmp_path, *args), Accelerator(cpu=True))
+    for seed in range(50):  # a seed whose second epoch has fewer micro-batches than its first
+        cfg = make_cfg(tiny_store, tmp_path, *args, f"seed={seed}")
+        counts = [len(epoch_plan(cfg, data, e)) for e in range(2)]
+        if counts[1] < counts[0]:
+            break
+    assert counts[1] < counts[0]
+    run(cfg)
+    lines = [m for m in read_metrics(tmp_path) if "loss" in m]
+    assert [m["step"] for m in lines] == list(range(1, sum(counts) + 1))
+    assert lines[-1]["epoch"] == 1 and all(m["tokens_per_s"] > 0 for m in lines)
+
+
+@pytest.mark.slow
 def test_online_gives_the_offline_first_step_loss(tiny_store, tiny_conversations, tmp_path):
     args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0", "data.eval_fraction=0.1")
     run(make_cfg(tiny_store, tmp_path / "offline", *args))
@@ -163,15 +227,7 @@ def test_a_store_extracted_from_a_real_other_model_is_refused(tiny_conversations
     from eagle_train.extract import run as extract
 
     model_dir = tmp_path / "tiny_qwen2"
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = Qwen2Config(**TINY_SHAPE, max_position_embeddings=512)
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(STORIES260K / name, model_dir / name)

@@ -64,7 +64,7 @@ def save_head(head: DraftHead, out_dir: str | Path, meta: dict[str, Any] | None 
 def load_head(path: str | Path, device: torch.device | str = "cpu") -> tuple[DraftHead, dict[str, Any]]:
     """Load a head written by `save_head`. Returns (head without the shared weights filled, meta).
 
-    Call `head.share_target_weights(target.embed_tokens, target.lm_head)` before use.
+    Call `head.share_target_weights(target)` before use.
     """
     path = Path(path)
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME

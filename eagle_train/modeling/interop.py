@@ -440,5 +440,5 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     missing = [k for k in missing if k.startswith(("fc.", "layers."))]
     if missing or unexpected:
         raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.to(device or target.device, target.dtype).eval()

@@ -71,7 +71,7 @@ def random_head(target):
 
     torch.manual_seed(1)
     head = DraftHead.from_target(target.config)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.eval()
 
 
@@ -90,7 +90,7 @@ def _train(target, steps, seq_len, batch, lr):
     rows = ids[:n].view(-1, seq_len)
     logits, feats = target.features(rows)  # [rows, seq, vocab], [rows, seq, hidden]
     head = DraftHead.from_target(target.config)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
     for _ in range(steps):
