@@ -9,6 +9,7 @@ their first token and their end. Writes to `out_dir`:
 
     answers.jsonl    one record per (bench, question, turn, method): tokens, text, per-round statistics
     report.json/.md  per bench and method: tau, acceptance by position, tokens/s, speedup, greedy identity
+                     (identical / near-tie / real divergence: eagle_train.decoding.identity)
     *.png            acceptance by position, tau histogram, calibration, speedup by benchmark
 """
 
@@ -19,6 +20,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,12 +30,13 @@ from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.identity import classify_answer
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
-from eagle_train.entry import stage_main
-from eagle_train.files import atomic_write_lines
+from eagle_train.entry import stage_lock, stage_main
+from eagle_train.files import atomic_write_lines, read_json, remove_partial_files
 from eagle_train.modeling.hf_generate import HFGenerate
-from eagle_train.modeling.interop import export_head, load_draft
+from eagle_train.modeling.interop import export_head, load_draft, other_target
 from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import Target, load_target
 from eagle_train.report import BASELINE, markdown_table, write_report
@@ -49,12 +52,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def evaluated_methods(cfg: EvaluateConfig, target: Target) -> list[str]:
+    """cfg.methods, plus `hf` when decode-time forwards cannot use the target's own attention (e.g.
+    flash_attention_2 takes no tree mask: ar and the trees run sdpa): HF generate then shows how fast
+    plain decoding runs on the target's own kernel, next to the ar baseline."""
+    methods = list(cfg.methods)
+    if target.decode_attention != target.attention and "hf" not in methods:
+        methods.append("hf")
+    return methods
+
+
 def make_decoders(cfg: EvaluateConfig, target: Target) -> dict[str, SpeculativeDecoder | HFGenerate]:
     """One decoder per method (ar first when present); the head is loaded once if any method needs it."""
-    needs_head = any(m not in ("ar", "hf") for m in cfg.methods)
+    methods = evaluated_methods(cfg, target)
+    needs_head = any(m not in ("ar", "hf") for m in methods)
     head = load_draft(cfg.draft.path, target) if needs_head else None
     decoders: dict[str, SpeculativeDecoder | HFGenerate] = {}
-    for method in sorted(cfg.methods, key=lambda m: m != BASELINE):
+    for method in sorted(methods, key=lambda m: m != BASELINE):
         decode = dataclasses.replace(cfg.decode, method=method)
         decoders[method] = (
             HFGenerate(target, decode) if method == "hf" else SpeculativeDecoder(target, head, decode)
@@ -107,12 +121,16 @@ def answer_question(
     renderer: ChatRenderer,
     question: Question,
     prompt_limit: int,
+    classify: Callable[[list[int], list[int], list[int]], dict] | None = None,
 ) -> list[dict]:
-    """Answer every turn of `question` with every method; each method keeps its own answers in context."""
+    """Answer every turn of `question` with every method; each method keeps its own answers in context.
+    Greedy answers are checked against ar's (`check_identity`, differing ones classified by `classify`)."""
     tokenizer = renderer.tokenizer
+    greedy = next(iter(decoders.values())).cfg.temperature == 0
     history = {m: [] for m in decoders}  # method -> messages so far
     records = []
     for turn, text in enumerate(question.turns):
+        prompts, turn_records = {}, []
         for method, decoder in decoders.items():
             history[method].append({"role": "user", "content": text})
             ids, cut = fit_prompt(renderer.render_prompt(history[method]), prompt_limit)
@@ -131,21 +149,49 @@ def answer_question(
                 "prompt_ids": list(ids),
             }
             record["text"] = answer
-            records.append(record)
-    return mark_identity(records, greedy=next(iter(decoders.values())).cfg.temperature == 0)
-
-
-def mark_identity(records: list[dict], greedy: bool) -> list[dict]:
-    """Set `identical` on each greedy non-baseline record: its tokens equal ar's for the same turn
-    (None: the baseline, no ar in the run, or sampling, where answers legitimately differ)."""
-    baseline = {r["turn"]: r["tokens"] for r in records if r["method"] == BASELINE}
-    for r in records:
-        checked = greedy and r["method"] != BASELINE and r["turn"] in baseline
-        r["identical"] = r["tokens"] == baseline[r["turn"]] if checked else None
+            prompts[method] = ids
+            turn_records.append(record)
+        records += check_identity(turn_records, prompts, greedy, classify)
     return records
 
 
-def evaluate_bench(bench: str, cfg: EvaluateConfig, decoders, renderer, prompt_limit: int) -> list[dict]:
+def check_identity(
+    records: list[dict],
+    prompts: dict[str, list[int]],
+    greedy: bool,
+    classify: Callable[[list[int], list[int], list[int]], dict] | None = None,
+) -> list[dict]:
+    """Set `identical` on each greedy non-baseline record of one turn: its tokens equal ar's for the same
+    prompt (None: the baseline, no ar in the run, sampling, or a prompt that differs from ar's because an
+    earlier turn parted from it: `identity` = "prompt_differs"). A differing answer gets `divergence`:
+    `classify(prompt, ar_tokens, tokens)` (near-tie or real divergence, eagle_train.decoding.identity)."""
+    baseline = next((r for r in records if r["method"] == BASELINE), None)
+    for r in records:
+        r["identical"] = None
+        if not greedy or baseline is None or r is baseline:
+            continue
+        if prompts[r["method"]] != prompts[BASELINE]:
+            r["identity"] = "prompt_differs"
+            continue
+        r["identical"] = r["tokens"] == baseline["tokens"]
+        if not r["identical"] and classify is not None:
+            r["divergence"] = classify(prompts[BASELINE], baseline["tokens"], r["tokens"])
+    return records
+
+
+def divergence_classifier(target: Target, ulps: int) -> Callable[[list[int], list[int], list[int]], dict]:
+    """classify(prompt, ar_tokens, tokens) for a differing answer: where it parts from ar's and whether that
+    is a near-tie (decoding.identity), from the target's logits on the common prefix."""
+
+    def classify(prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
+        return classify_answer(prompt, reference, tokens, target.next_logits, target.dtype, ulps)
+
+    return classify
+
+
+def evaluate_bench(
+    bench: str, cfg: EvaluateConfig, decoders, renderer, prompt_limit: int, classify=None
+) -> list[dict]:
     """All records of one benchmark (decoded once untimed for `cfg.warmup` questions first)."""
     name = bench_name(bench)
     questions = load_questions(bench, cfg.num_questions, cfg.max_turns)
@@ -154,7 +200,7 @@ def evaluate_bench(bench: str, cfg: EvaluateConfig, decoders, renderer, prompt_l
     records = []
     bar = tqdm(questions, desc=f"eval {name}", unit="q", disable=not cfg.progress)
     for question in bar:
-        for r in answer_question(decoders, renderer, question, prompt_limit):
+        for r in answer_question(decoders, renderer, question, prompt_limit, classify):
             records.append({"bench": name, **r})
         bar.set_postfix(tau=_running_tau(records))
     return records
@@ -228,6 +274,16 @@ def run_engine(
     return engine_records, notes
 
 
+def draft_notes(cfg: EvaluateConfig, target: Target) -> list[str]:
+    """A report warning when the head was trained for another target (eagle_train.modeling.interop)."""
+    config = Path(cfg.draft.path or "") / "config.json"
+    if not cfg.draft.path or not config.is_file():
+        return []
+    meta = read_json(config, "draft head config").get("eagle_train", {})
+    why = other_target(meta if isinstance(meta, dict) else {}, target)
+    return [f"draft head {cfg.draft.path}: {why}"] if why else []
+
+
 def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds: float) -> dict:
     """The run settings shown at the top of the report."""
     decode = {k: v for k, v in dataclasses.asdict(cfg.decode).items() if k not in ("method", "tree_paths")}
@@ -235,7 +291,8 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
         "target": f"{cfg.target.name} ({target.source})",
         "draft": cfg.draft.path,
         "benchmarks": ", ".join(bench_name(b) for b in cfg.bench),
-        "methods": ", ".join(cfg.methods),
+        "methods": ", ".join(evaluated_methods(cfg, target)),
+        "attention": attention_meta(target),
         "engines": "builtin"
         + (
             f", vllm ({cfg.engine_url or 'started from ' + str(cfg.engine_python or '.venv-vllm')})"
@@ -243,6 +300,8 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
             else ""
         ),
         "temperature": cfg.decode.temperature,
+        "target_dtype": str(target.dtype).removeprefix("torch."),
+        "near_tie_ulps": cfg.near_tie_ulps,
         "decode": json.dumps(decode),
         "num_questions": cfg.num_questions,
         "device": f"{device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
@@ -251,8 +310,26 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
     }
 
 
+def attention_meta(target: Target) -> str:
+    """The attention kernels of the run: decode-time forwards (ar, chain, eagle1, eagle2) and HF generate."""
+    own, decode = target.attention, target.decode_attention
+    if own == decode:
+        return own
+    return f"{decode} for ar/chain/eagle1/eagle2 (the tree mask needs it), {own} for hf"
+
+
 def run(cfg: EvaluateConfig) -> dict:
-    """Evaluate the head on every benchmark with every method; write answers, report and plots."""
+    """Evaluate the head on every benchmark with every method; write answers, report and plots (under an
+    exclusive lock on out_dir, eagle_train.lock)."""
+    with stage_lock(cfg.out_dir, "evaluate"):
+        if Path(cfg.out_dir).is_dir():  # what a killed run's writes left (its own files only)
+            for name in ("answers.jsonl", "engine_answers.jsonl", "report.json", "report.md", "*.png"):
+                remove_partial_files(cfg.out_dir, name)
+        return evaluate(cfg)
+
+
+def evaluate(cfg: EvaluateConfig) -> dict:
+    """The stage under its lock."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg.device)
@@ -266,7 +343,12 @@ def run(cfg: EvaluateConfig) -> dict:
             f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
             f"{cfg.target.name}'s context of {target.max_len} tokens"
         )
-    records = [r for bench in cfg.bench for r in evaluate_bench(bench, cfg, decoders, renderer, prompt_limit)]
+    classify = divergence_classifier(target, cfg.near_tie_ulps)
+    records = [
+        r
+        for bench in cfg.bench
+        for r in evaluate_bench(bench, cfg, decoders, renderer, prompt_limit, classify)
+    ]
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_answers(records, out / "answers.jsonl")
@@ -277,7 +359,15 @@ def run(cfg: EvaluateConfig) -> dict:
         engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
         engines["sanity"] = log_notes + engines["sanity"]
     meta = run_meta(cfg, target, device, time.perf_counter() - start)
-    report = write_report(records, out, meta, min_rounds=cfg.min_rounds, plots=cfg.plots, engines=engines)
+    report = write_report(
+        records,
+        out,
+        meta,
+        min_rounds=cfg.min_rounds,
+        plots=cfg.plots,
+        engines=engines,
+        notes=draft_notes(cfg, target),
+    )
     cut = sum(1 for r in records if r["prompt_cut"])
     if cut:
         log.warning("%d prompts were longer than the context allows and were cut (see prompt_cut)", cut)
@@ -286,6 +376,8 @@ def run(cfg: EvaluateConfig) -> dict:
         print(engines["markdown"])
     for note in report["sanity"]:
         print(f"WARNING: {note}")
+    for line in report["identity"]:
+        print(line)
     print(f"report: {out / 'report.md'}")
     return report
 

@@ -4,8 +4,11 @@
     python -m eagle_train.export ckpt=runs/<run>/final format=speculators speculative_tokens=3 out=...  (EAGLE-3)
 
 The output directory (config.json + model.safetensors, or pytorch_model.bin for format=eagle) is
-written atomically; config.json carries the target's id and the training maximum length in its
-`eagle_train` block. Layout details and the loaders they were checked against: eagle_train/modeling/interop.py.
+written atomically under an exclusive lock (eagle_train.lock); a non-empty directory that is not an
+earlier export of the same format is refused unless `overwrite=true`, and nothing but this layout's own
+files is ever deleted. config.json carries the target's id and the training maximum length in its
+`eagle_train` block, and no local path (a hub id is kept). Layout details and the loaders they were
+checked against: eagle_train/modeling/interop.py.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
-from eagle_train.entry import stage_main
+from eagle_train.entry import stage_lock, stage_main
+from eagle_train.files import remove_partial_files
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
 from eagle_train.modeling.reexpress import widen_head
@@ -51,24 +55,36 @@ def target_architectures(meta: dict, source: str | None) -> list[str] | None:
 
 
 def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
-    """The `eagle_train` block: target id, source and architectures, training max length, where it came from."""
+    """The `eagle_train` block: target id, its hub id (never a local path: config.json is published),
+    architectures, config hash and weight fingerprint, training max length."""
     name, source = recorded_target(meta)
     architectures = target_architectures(meta, source)
     if isinstance(meta.get("target"), dict):
-        meta = {**meta, "target_config_hash": meta["target"].get("config_hash")}
+        recorded = meta["target"]
+        meta = {
+            **meta,
+            "target_config_hash": recorded.get("config_hash"),
+            "target_weights": recorded.get("weights"),
+        }
     target_id = cfg.target_id or name
     max_len = cfg.max_len or meta.get("max_len")
     if target_id is None or max_len is None:
         log.warning("checkpoint %s records no target id or max_len; set target_id=... max_len=...", ckpt)
+    meta = {k: v for k, v in meta.items() if k not in ("target_source", "source_checkpoint")}
+    if source and not local_path(source):
+        meta["target_source"] = source
     return {
         **meta,
         "target": target_id,
-        "target_source": source,
         "target_architectures": architectures,
         "max_len": max_len,
-        "source_checkpoint": str(ckpt),
         "note": f"trained on sequences of at most {max_len} tokens; expect lower acceptance beyond that",
     }
+
+
+def local_path(source: str) -> bool:
+    """Whether a recorded target source names a local file system path (not a hub id)."""
+    return source.startswith(("/", ".", "~")) or Path(source).exists() or source.count("/") > 1
 
 
 def run(cfg: ExportConfig) -> Path:
@@ -76,27 +92,32 @@ def run(cfg: ExportConfig) -> Path:
     if not cfg.out:
         raise ValueError("export: set out=DIR (the directory to write)")
     ckpt = checkpoint_dir(cfg.ckpt)
-    head, meta = load_head(ckpt)
-    meta = export_meta(meta, cfg, ckpt)
+    head, recorded = load_head(ckpt)
+    meta = export_meta(recorded, cfg, ckpt)
     if cfg.head_dim and cfg.head_dim != head.config.head_dim:
         meta["reexpressed"] = {"head_dim": head.config.head_dim, "new_head_dim": cfg.head_dim}
         head = widen_head(head, cfg.head_dim)
     embed = None
     if cfg.format == "eagle":
-        source = cfg.target_path or meta.get("target_source")
+        source = cfg.target_path or recorded_target(recorded)[1]
         if not source:
             raise ValueError(f"export format=eagle: {ckpt} records no target source; set target_path=...")
         embed = load_input_embedding(resolve_path(source) or source)
-    out = export_head(
-        head,
-        cfg.format,
-        resolve_path(cfg.out) or Path(cfg.out),
-        meta=meta,
-        embed_tokens=embed,
-        dtype=torch_dtype(cfg.dtype) if cfg.dtype else None,
-        fold_bias=cfg.fc_bias == "fold",
-        speculative_tokens=cfg.speculative_tokens,
-    )
+    out_dir = resolve_path(cfg.out) or Path(cfg.out)
+    with stage_lock(out_dir, "export"):
+        if out_dir.parent.is_dir():
+            remove_partial_files(out_dir.parent, out_dir.name)  # a killed export's temporary directory
+        out = export_head(
+            head,
+            cfg.format,
+            out_dir,
+            meta=meta,
+            embed_tokens=embed,
+            dtype=torch_dtype(cfg.dtype) if cfg.dtype else None,
+            fold_bias=cfg.fc_bias == "fold",
+            overwrite=cfg.overwrite,
+            speculative_tokens=cfg.speculative_tokens,
+        )
     log.info("exported %s -> %s (format=%s)", ckpt, out, cfg.format)
     return out
 

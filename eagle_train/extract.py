@@ -4,35 +4,39 @@
     python -m eagle_train.extract data.path=FILE out_dir=DIR [target=...] [dtype=float16]
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m eagle_train.extract ...
 
-Every process loads and tokenizes the data the same way and cuts it into the same shards (a pure
-function of the token counts and the shard size); process r extracts shards r, r + P, r + 2P, ... Within
-a shard, conversations are batched by length and right-padded (a causal decoder's real tokens never see
-the padding, so no mask is needed; only real tokens are stored). A shard with a valid sidecar is kept by
-a rerun, so an interrupted extraction resumes. After a barrier the main process writes the one
-manifest.json. See `eagle_train.store` for the layout.
+The data file is streamed: records are read, cleaned and tokenized in batches as they come, and a shard
+is cut as soon as it is full (`store.shard_closes`, a pure function of the token counts and the shard
+size), so memory holds one shard's token ids and one batch's hidden states whatever the file's size,
+and the first shard is written after reading only its own conversations. Every process streams the
+data the same way and so cuts the same shards; process r extracts shards r, r + P, r + 2P, ... Within a
+shard, conversations are batched by length and right-padded (a causal decoder's real tokens never see
+the padding, so no mask is needed; only real tokens are stored), and each batch's hidden states go
+straight into the shard file. A shard with a valid sidecar is kept by a rerun, so an interrupted
+extraction resumes. The output directory is prepared (and a different store refused) when the first
+shard is cut, so bad input found before that (the first 256 conversations are read before any shard)
+writes nothing; bad input found later stops the run naming the record, with no manifest written. After a barrier the main process
+writes the one manifest.json. The output is locked (eagle_train.lock). See `eagle_train.store`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from eagle_train.config.base import config_hash
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches
-from eagle_train.data.render import ChatRenderer, tokenize_conversations
-from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, load_conversations
-from eagle_train.entry import stage_main
+from eagle_train.data.render import ChatRenderer, tokenize_stream
+from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, stream_conversations
+from eagle_train.entry import on_main, stage_lock, stage_main
 from eagle_train.files import file_sha256
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.store import (
@@ -40,9 +44,9 @@ from eagle_train.store import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
     completed_shard,
-    content_key,
-    plan_shards,
     prepare_out_dir,
+    shard_closes,
+    store_hash,
     target_config_hash,
     write_manifest,
     write_shard,
@@ -51,33 +55,10 @@ from eagle_train.store import (
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Conversations:
-    """The tokenized conversations of one data file, with where they came from."""
-
-    dataset: datasets.Dataset  # columns id, input_ids, loss_mask, num_tokens, num_assistant_tokens
-    report: DropReport  # what loading and tokenizing dropped or fixed
-    template: str  # the chat template's name
-    max_len: int  # sequences are truncated to this many tokens
-    source: dict[str, Any]  # the data block of the manifest: path, sha256, name and cleaning options
-
-    @property
-    def lengths(self) -> list[int]:
-        return [int(n) for n in self.dataset["num_tokens"]]
-
-
-def tokenize(
-    cfg: DataConfig, messages: datasets.Dataset, report: DropReport, target: Target
-) -> Conversations:
-    """Render and tokenize with the target's template, truncated to data.max_len or the target's."""
-    max_len = target.length_limit(cfg.max_len)
-    renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
-    dataset, token_report = tokenize_conversations(messages, renderer)
-    report = report.merge(token_report)
+def data_source(cfg: DataConfig) -> dict[str, Any]:
+    """The data block of the manifest: path, sha256, name and cleaning options (bad paths fail here)."""
     file = check_data_file(cfg.path)
-    if len(dataset) == 0:
-        raise DataError(f"{file}: no conversation left to extract ({report.format()})")
-    source = {
+    return {
         "name": cfg.name,
         "path": str(file),
         "sha256": file_sha256(file),
@@ -85,10 +66,11 @@ def tokenize(
         "leading_assistant": cfg.leading_assistant,
         "repeated_roles": cfg.repeated_roles,
     }
-    return Conversations(dataset, report, renderer.template_name, max_len, source)
 
 
-def store_identity(cfg: ExtractConfig, target: Target, data: Conversations) -> dict[str, Any]:
+def store_identity(
+    cfg: ExtractConfig, target: Target, template: str, max_len: int, source: dict[str, Any]
+) -> dict[str, Any]:
     """The manifest fields that decide the store's contents (a rerun must match them). `aux_layers`
     appears only in a store that holds them, so an EAGLE-1 store's identity is what it always was."""
     identity = {
@@ -97,6 +79,7 @@ def store_identity(cfg: ExtractConfig, target: Target, data: Conversations) -> d
             "name": cfg.target.name,
             "source": target.source,
             "config_hash": target_config_hash(load_target_config(cfg.target).to_dict()),
+            "weights": target.weight_fingerprint,
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "model_type": str(target.config.model_type),
@@ -105,41 +88,56 @@ def store_identity(cfg: ExtractConfig, target: Target, data: Conversations) -> d
             "system_prompt": cfg.target.system_prompt,
         },
         "dtype": cfg.dtype,
-        "template": data.template,
-        "max_len": data.max_len,
-        "data": data.source,
+        "template": template,
+        "max_len": max_len,
+        "data": source,
     }
     if cfg.aux:
         identity["aux_layers"] = target.aux_layers
     return identity
 
 
+def stream_shards(
+    rows: Iterable[dict[str, Any]], bytes_per_token: int, shard_samples: int | None, shard_bytes: int
+) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
+    """(start, stop, rows) of each shard as soon as it is full: `store.plan_shards` over a stream."""
+    start, size, pending = 0, 0, []
+    for row in rows:
+        nbytes = len(row["input_ids"]) * bytes_per_token
+        if shard_closes(len(pending), size, nbytes, shard_samples, shard_bytes):
+            yield start, start + len(pending), pending
+            start, size, pending = start + len(pending), 0, []
+        pending.append(row)
+        size += nbytes
+    if pending:
+        yield start, start + len(pending), pending
+
+
 def extract_rows(
     target: Target,
-    rows: dict[str, list],
+    rows: Sequence[dict[str, Any]],
     max_tokens: int,
     max_batch_size: int,
     dtype: torch.dtype,
+    put: Callable[..., None],
     attention_mask: bool = False,
     on_batch: Callable[[int, int], None] | None = None,
     aux_layers: list[int] | None = None,
-) -> list[dict[str, Any]]:
-    """Features of a slice of tokenized conversations, in the slice's order.
+) -> None:
+    """Features of a slice of tokenized conversations: `put(i, hidden [L_i, hidden], aux)` in `dtype` on
+    the CPU for each row i, one length-bucketed batch at a time (in batch order, not row order); aux
+    [L_i, 3 * hidden] (the inputs of `aux_layers`) with `aux_layers`, else None.
 
-    rows: columns id, input_ids, loss_mask (lists). Conversations are batched by length and right-padded;
-    only the real tokens' hidden states are kept. Returns one dict per conversation with "hidden"
-    [L, hidden] in `dtype` on the CPU (and with `aux_layers` "aux" [L, 3 * hidden], the inputs of those
-    layers). `on_batch(conversations, tokens)` is called after each forward.
+    rows: dicts with input_ids. Conversations are batched by length and right-padded; only the real
+    tokens' hidden states are kept. `on_batch(conversations, tokens)` is called after each forward.
     `attention_mask` passes the (unneeded) padding mask anyway: the benchmark's comparison.
     """
-    lengths = [len(ids) for ids in rows["input_ids"]]
-    hidden_out: list[torch.Tensor | None] = [None] * len(lengths)
-    aux_out: list[torch.Tensor | None] = [None] * len(lengths)
+    lengths = [len(row["input_ids"]) for row in rows]
     for batch in bucket_batches(lengths, max_tokens=max_tokens, max_batch_size=max_batch_size):
         longest = max(lengths[i] for i in batch)
         input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [b, T], right padding
         for row, i in enumerate(batch):
-            input_ids[row, : lengths[i]] = torch.as_tensor(rows["input_ids"][i])
+            input_ids[row, : lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
         # By default no attention mask: in a causal decoder a real token attends only to earlier positions, all
         # real under right padding, and its position ids are 0..L-1 either way. Without a mask, SDPA
         # runs its fused causal kernel instead of materialising a [b, heads, T, T] mask.
@@ -154,97 +152,115 @@ def extract_rows(
             aux = aux.to(dtype).cpu()  # [b, T, 3 * hidden]
         hidden = hidden.to(dtype).cpu()  # [b, T, hidden]
         for row, i in enumerate(batch):
-            hidden_out[i] = hidden[row, : lengths[i]].clone()  # [L, hidden]: the real tokens only
-            if aux is not None:
-                aux_out[i] = aux[row, : lengths[i]].clone()  # [L, 3 * hidden]
+            # [L, hidden] (and [L, 3 * hidden]): the real tokens only
+            put(i, hidden[row, : lengths[i]], None if aux is None else aux[row, : lengths[i]])
         if on_batch is not None:
             on_batch(len(batch), sum(lengths[i] for i in batch))
-    samples = [
-        {
-            "id": rows["id"][i],
-            "input_ids": rows["input_ids"][i],
-            "loss_mask": rows["loss_mask"][i],
-            "hidden": h,
-        }
-        for i, h in enumerate(hidden_out)
-    ]
-    if aux_layers is not None:
-        for sample, aux in zip(samples, aux_out, strict=True):
-            sample["aux"] = aux
-    return samples
 
 
-def extract_shards(
-    cfg: ExtractConfig,
-    target: Target,
-    data: Conversations,
-    plan: list[tuple[int, int]],
-    accelerator: Accelerator,
-) -> None:
-    """Extract this process's shards (index % num_processes == process_index) not already complete."""
-    out_dir = Path(cfg.out_dir)
-    mine = [k for k in range(len(plan)) if k % accelerator.num_processes == accelerator.process_index]
-    todo = [k for k in mine if completed_shard(out_dir, k, shard_extra(plan[k])) is None]
-    if len(todo) < len(mine):
-        log.info("process %d: keeping %d completed shards", accelerator.process_index, len(mine) - len(todo))
-    total = sum(plan[k][1] - plan[k][0] for k in todo)
-    bar = tqdm(
-        total=total, unit="conv", desc="extract", disable=not (cfg.progress and accelerator.is_main_process)
-    )
-    tokens, start = 0, time.perf_counter()
+class Progress:
+    """The main process's tqdm bar: conversations extracted and tokens/s."""
 
-    def on_batch(conversations: int, batch_tokens: int) -> None:
-        nonlocal tokens
-        tokens += batch_tokens
-        bar.update(conversations)
-        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
+    def __init__(self, enabled: bool):
+        self.bar = tqdm(unit="conv", desc="extract", disable=not enabled)
+        self.tokens, self.start = 0, time.perf_counter()
 
-    for k in todo:
-        begin, end = plan[k]
-        rows = data.dataset[begin:end]
-        samples = extract_rows(
-            target,
-            rows,
-            cfg.max_tokens,
-            cfg.max_batch_size,
-            HIDDEN_DTYPES[cfg.dtype],
-            on_batch=on_batch,
-            aux_layers=target.aux_layers if cfg.aux else None,
-        )
-        extra = {**shard_extra(plan[k]), "process": accelerator.process_index}
-        write_shard(out_dir, k, samples, cfg.dtype, target.vocab_size, extra=extra)
-    bar.close()
-
-
-def shard_extra(span: tuple[int, int]) -> dict[str, int]:
-    """The sidecar fields that tie a shard to its place in the plan."""
-    return {"start": span[0], "stop": span[1]}
+    def __call__(self, conversations: int, batch_tokens: int) -> None:
+        self.tokens += batch_tokens
+        self.bar.update(conversations)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
 
 
 def run(cfg: ExtractConfig) -> Path:
     """Extract the features of `cfg.data` with `cfg.target` into the store `cfg.out_dir`; return it."""
     accelerator = Accelerator()
-    with accelerator.main_process_first():  # a data file built on first use is built once
-        messages, report = load_conversations(cfg.data)  # bad input fails here, before anything is written
-    target = load_target(cfg.target, accelerator.device)
-    data = tokenize(cfg.data, messages, report, target)
-    identity = store_identity(cfg, target, data)
     out_dir = Path(cfg.out_dir)
-    if accelerator.is_main_process:
-        prepare_out_dir(out_dir, identity, cfg.overwrite)
-    accelerator.wait_for_everyone()
-    states = 1 + (len(target.aux_layers) if cfg.aux else 0)  # hidden states stored per token
-    bytes_per_token = states * target.hidden_size * HIDDEN_DTYPES[cfg.dtype].itemsize
-    plan = plan_shards(data.lengths, bytes_per_token, cfg.shard_samples, cfg.shard_bytes)
-    extract_shards(cfg, target, data, plan, accelerator)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        manifest = write_manifest(
-            out_dir, identity, plan, data.report.to_dict(), config_hash(content_key(identity))
-        )
-        log.info("feature store %s\n%s", out_dir / MANIFEST_NAME, format_summary(manifest["counts"]))
-    accelerator.wait_for_everyone()
+    with stage_lock(out_dir, "extract", accelerator):
+        source = data_source(cfg.data)  # a missing or empty file fails here, before the model loads
+        target = load_target(cfg.target, accelerator.device)
+        max_len = target.length_limit(cfg.data.max_len)
+        renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
+        identity = store_identity(cfg, target, renderer.template_name, max_len, source)
+        report = DropReport()
+        rows = tokenize_stream(stream_conversations(cfg.data, report), renderer, report)
+        plan = extract_shards(cfg, target, identity, rows, accelerator)
+        if not plan:
+            raise DataError(f"{source['path']}: no conversation left to extract ({report.format()})")
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            manifest = write_manifest(out_dir, identity, plan, report.to_dict(), store_hash(identity))
+            log.info("feature store %s\n%s", out_dir / MANIFEST_NAME, format_summary(manifest["counts"]))
+        accelerator.wait_for_everyone()
     return out_dir
+
+
+def extract_shards(
+    cfg: ExtractConfig,
+    target: Target,
+    identity: dict[str, Any],
+    rows: Iterable[dict[str, Any]],
+    accelerator: Accelerator,
+) -> list[tuple[int, int]]:
+    """Cut the streamed rows into shards and extract this process's (index % num_processes ==
+    process_index) that are not already complete; returns the plan. The output directory is prepared
+    when the first shard is cut; a DataError raised later says which shards were kept."""
+    out_dir, content_hash = Path(cfg.out_dir), store_hash(identity)
+    aux_layers = target.aux_layers if cfg.aux else None
+    aux_size = len(aux_layers) * target.hidden_size if aux_layers else 0
+    bytes_per_token = (target.hidden_size + aux_size) * HIDDEN_DTYPES[cfg.dtype].itemsize
+    progress = Progress(cfg.progress and accelerator.is_main_process)
+    plan: list[tuple[int, int]] = []
+    kept = 0
+    try:
+        for k, (start, stop, shard_rows) in enumerate(
+            stream_shards(rows, bytes_per_token, cfg.shard_samples, cfg.shard_bytes)
+        ):
+            if k == 0:  # a different store is refused on every process
+                on_main(accelerator, lambda: prepare_out_dir(out_dir, identity, cfg.overwrite))
+            plan.append((start, stop))
+            if k % accelerator.num_processes != accelerator.process_index:
+                continue
+            extra = {"start": start, "stop": stop, "store": content_hash}
+            if completed_shard(out_dir, k, extra) is not None:
+                kept += 1
+                continue
+
+            fill = functools.partial(
+                extract_rows,
+                target,
+                shard_rows,
+                cfg.max_tokens,
+                cfg.max_batch_size,
+                HIDDEN_DTYPES[cfg.dtype],
+                on_batch=progress,
+                aux_layers=aux_layers,
+            )  # fill(put): put(i, hidden, aux) for every row of the shard
+            extra["process"] = accelerator.process_index
+            write_shard(
+                out_dir,
+                k,
+                shard_rows,
+                cfg.dtype,
+                target.vocab_size,
+                extra,
+                fill,
+                target.hidden_size,
+                aux_size,
+            )
+    except DataError as err:
+        if plan:
+            raise DataError(
+                f"{err}. Shards before it were written, but the store has no manifest, so nothing uses it; "
+                "a fixed file is another file (its sha256 is part of the store's identity): rerun with "
+                "overwrite=true"
+            ) from None
+        raise
+    finally:
+        progress.bar.close()
+    if kept:
+        log.info("process %d: kept %d completed shards", accelerator.process_index, kept)
+    return plan
 
 
 def format_summary(counts: dict[str, Any]) -> str:

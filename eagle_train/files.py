@@ -22,6 +22,53 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+PARTIAL = ".partial-"  # marks a temporary name: `.NAME.partial-XXXXXXXX[suffix]`
+
+
+class FileFormatError(ValueError):
+    """A file this project wrote (or reads as metadata) is not what it should be; names the file."""
+
+
+def partial_prefix(final: str | Path) -> str:
+    """The temporary-name prefix of `final` (`.NAME.partial-`)."""
+    return f".{Path(final).name}{PARTIAL}"
+
+
+def remove_partial_files(directory: str | Path, name: str = "*") -> list[Path]:
+    """Delete what killed atomic writes left in `directory` (files and directories named
+    `.NAME.partial-*`, never anything else; `name` narrows NAME, e.g. to one output's in a shared
+    directory); returns them. Call it only while holding the lock of what they belong to
+    (eagle_train.lock), so no live writer's temporary is removed."""
+    removed = []
+    for stale in Path(directory).glob(f".{name}{PARTIAL}*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
+def read_json(path: str | Path, what: str = "") -> Any:
+    """Parse a JSON file; a missing, unreadable or malformed one raises FileFormatError naming the file
+    and, for bad JSON, the line and column (`what`: e.g. "feature store manifest", added to the message)."""
+    path = Path(path)
+    label = f"{path} ({what})" if what else str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileFormatError(f"{label}: missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise FileFormatError(f"{label}: unreadable ({err})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise FileFormatError(
+            f"{label}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from None
+    except RecursionError:
+        raise FileFormatError(f"{label}: not valid JSON (nested too deeply)") from None
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -43,7 +90,7 @@ def atomic_path(final: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     file is published as `final`; on an exception it is removed."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=suffix, dir=final.parent)
+    fd, tmp = tempfile.mkstemp(prefix=partial_prefix(final), suffix=suffix, dir=final.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -76,12 +123,12 @@ def atomic_write_dir(final: str | Path, write: Callable[[Path], None]) -> Path:
     `final` is never partial. The directory and everything `write` created get the usual permissions."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(final), dir=final.parent))
     try:
         write(tmp)
         _normalise_modes(tmp)
         if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
+            old = Path(tempfile.mkdtemp(prefix=partial_prefix(final), suffix=".old", dir=final.parent))
             os.replace(final, old / final.name)
             publish(tmp, final, directory=True)
             shutil.rmtree(old, ignore_errors=True)
@@ -91,6 +138,23 @@ def atomic_write_dir(final: str | Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def atomic_write_into(directory: str | Path, write: Callable[[Path], None]) -> list[str]:
+    """Call `write(tmp_dir)`, then move each file it wrote into `directory` (each file replaced
+    atomically; nothing else in `directory` is touched or removed). Returns the names written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(directory), dir=directory))
+    try:
+        write(tmp)
+        _normalise_modes(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, directory / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names
 
 
 def _normalise_modes(root: Path) -> None:

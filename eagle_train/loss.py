@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from eagle_train.logits import LogitTransform
+
 NOISE_MODES = ("uniform", "length_scaled", "none")
 
 
@@ -69,19 +71,92 @@ def add_feature_noise(
     mode: str = "uniform",
     scale: float = 0.1,
     generator: torch.Generator | None = None,
+    lengths: torch.Tensor | None = None,  # [batch] each sequence's token count (length_scaled)
 ) -> torch.Tensor:
     """Noise on the head's INPUT features (never on the regression target, never at evaluation).
 
-    uniform: f + U(-scale, scale) (the paper). length_scaled: the reference's
-    (rand - 0.5) * 2 * scale * 512 / seq, i.e. U(+-scale) only at sequence length 512.
+    uniform: f + U(-scale, scale) (the paper). length_scaled: the reference's (rand - 0.5) * 2 * scale *
+    512 / L with L each sequence's own token count (its stored hidden states, as the reference draws it
+    per sample), i.e. U(+-scale) only at length 512; `lengths` None = every row is seq + 1 tokens long
+    (no padding). The padded batch length is never used: a short sequence in a long batch keeps its own.
     """
     if mode == "none" or scale == 0:
         return features
     if mode not in NOISE_MODES:
         raise ValueError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
     u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
-    amplitude = scale * (512.0 / features.shape[1] if mode == "length_scaled" else 1.0)
+    amplitude = torch.full((features.shape[0], 1, 1), scale, device=features.device)
+    if mode == "length_scaled":
+        if lengths is None:
+            lengths = torch.full((features.shape[0],), features.shape[1] + 1)
+        amplitude = amplitude * 512.0 / lengths.to(features.device, torch.float32).view(-1, 1, 1)
     return features + ((u - 0.5) * 2.0 * amplitude).to(features.dtype)
+
+
+# Positions per chunk of the vocabulary projection: the [chunk, vocab] float32 intermediates stay near
+# 2^26 elements (256 MB) each whatever the sequence length (vocab 128k: 512 positions per chunk).
+CHUNK_ELEMENTS = 2**26
+
+
+def chunk_positions(vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Positions per chunk so that a [chunk, vocab] tensor holds about `chunk_elements` elements."""
+    return max(1, chunk_elements // max(vocab_size, 1))
+
+
+def _chunk_ce(
+    pred: torch.Tensor,  # [c, hidden] f^, requires grad when a gradient is wanted
+    target: torch.Tensor,  # [c, hidden] f
+    weight: torch.Tensor,  # [vocab, hidden]
+    target_ids: torch.Tensor,  # [c]
+    soft: bool,
+    transform: LogitTransform,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed CE and top-1 agreement count of one chunk of positions (logits in float32, processed as
+    the target processes its own)."""
+    draft_logp = torch.log_softmax(
+        transform((pred.to(weight.dtype) @ weight.T).float()), dim=-1
+    )  # [c, vocab]
+    with torch.no_grad():
+        target_logits = transform((target.to(weight.dtype) @ weight.T).float())  # [c, vocab]
+        correct = (draft_logp.argmax(-1) == target_logits.argmax(-1)).sum()
+        target_p = torch.softmax(target_logits, dim=-1) if soft else None
+    if soft:
+        ce = -(target_p * draft_logp).sum()
+    else:
+        ce = F.nll_loss(draft_logp, target_ids, reduction="sum")
+    return ce, correct
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """The CE over N positions, a chunk at a time, with its gradient w.r.t. the predicted features taken
+    chunk by chunk in the forward (local autograd per chunk). Only the [N, hidden] gradient is kept for
+    the backward, never a [N, vocab] tensor: memory is bounded whatever N. The LM head is frozen (no
+    gradient). Same values and gradient as the one-shot computation (tests/test_loss.py)."""
+
+    @staticmethod
+    def forward(ctx, pred, target, weight, target_ids, soft: bool, chunk: int, transform: LogitTransform):
+        want_grad = pred.requires_grad
+        grad = torch.zeros_like(pred) if want_grad else None
+        ce = torch.zeros((), dtype=torch.float32, device=pred.device)
+        correct = torch.zeros((), dtype=torch.long, device=pred.device)
+        for lo in range(0, pred.shape[0], chunk):
+            part = pred[lo : lo + chunk].detach().requires_grad_(want_grad)
+            with torch.set_grad_enabled(want_grad):
+                part_ce, part_correct = _chunk_ce(
+                    part, target[lo : lo + chunk], weight, target_ids[lo : lo + chunk], soft, transform
+                )
+            if want_grad:
+                (grad[lo : lo + chunk],) = torch.autograd.grad(part_ce, part)
+            ce += part_ce.detach()
+            correct += part_correct
+        ctx.save_for_backward(grad if want_grad else pred.new_zeros(0))
+        ctx.mark_non_differentiable(correct)
+        return ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_ce.to(grad.dtype), None, None, None, None, None, None
 
 
 def eagle_loss_sums(
@@ -91,27 +166,28 @@ def eagle_loss_sums(
     target_ids: torch.Tensor,  # [batch, seq] t_{j+2}
     loss_mask: torch.Tensor,  # [batch, seq] bool
     soft: bool = True,
+    chunk: int | None = None,
+    transform: LogitTransform | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-term SUMS over the masked positions (divide by a token count to average).
 
     smooth_l1: SmoothL1(f^, f) averaged over the hidden dimension. ce: cross entropy of the draft
-    distribution softmax(lm_head(f^)) against softmax(lm_head(f)) (soft) or the token t_{j+2} (hard).
+    distribution softmax(T(lm_head(f^))) against softmax(T(lm_head(f))) (soft) or the token t_{j+2}
+    (hard), T the target's output processing (`transform`, eagle_train.logits; default none).
     correct: positions where the draft's top-1 equals the target's greedy token argmax(lm_head(f)).
-    Only the masked positions go through the LM head, so a large vocabulary costs little memory.
+    Only the masked positions go through the LM head, `chunk` positions at a time (default:
+    `chunk_positions(vocab)`), so memory stays bounded at any sequence length and vocabulary. The
+    projection runs in the LM head's dtype (no float32 copy of it), softmax and sums in float32.
     """
     mask = loss_mask.bool()
     pred = pred_hidden[mask].float()  # [N, hidden]
     target = target_hidden[mask].float()  # [N, hidden]
-    weight = lm_head_weight.float()
     smooth_l1 = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).sum()
-    draft_logp = torch.log_softmax(pred @ weight.T, dim=-1)  # [N, vocab]
-    with torch.no_grad():
-        target_logits = target @ weight.T  # [N, vocab]
-    if soft:
-        ce = -(torch.softmax(target_logits, dim=-1) * draft_logp).sum(-1).sum()
-    else:
-        ce = F.nll_loss(draft_logp, target_ids[mask], reduction="sum")
-    correct = (draft_logp.argmax(-1) == target_logits.argmax(-1)).sum().detach()
+    chunk = chunk or chunk_positions(lm_head_weight.shape[0])
+    transform = transform or LogitTransform()
+    ce, correct = _ChunkedCE.apply(
+        pred, target.detach(), lm_head_weight.detach(), target_ids[mask], soft, chunk, transform
+    )
     return {"smooth_l1": smooth_l1, "ce": ce, "correct": correct.float(), "tokens": mask.sum().float()}
 
 
@@ -144,6 +220,7 @@ def ttt_loss_sums(
     greedy: torch.Tensor,  # [batch, n] the target's greedy token argmax(lm_head(f_{j+1+k}))
     loss_mask: torch.Tensor,  # [batch, n] bool: mask[j+2+k], the predicted token is an assistant token
     soft: bool = True,
+    transform: LogitTransform | None = None,  # the target's output processing (elementwise)
 ) -> dict[str, torch.Tensor]:
     """One TTT step's SUMS. ce over the trainable positions (assistant, label kept), against
     softmax(target logits over the kept tokens) (soft) or the label's draft id (hard); correct: draft
@@ -156,6 +233,8 @@ def ttt_loss_sums(
     if soft:
         with torch.no_grad():
             kept_logits = target_hidden[trainable].float() @ target_lm_head[draft_ids].float().T
+            if transform is not None:
+                kept_logits = transform(kept_logits)
         ce = -(torch.softmax(kept_logits, dim=-1) * draft_logp).sum()
     else:
         draft_index = torch.cumsum(t2d.long(), 0) - 1  # [vocab] draft id of each kept token

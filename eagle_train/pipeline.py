@@ -2,8 +2,12 @@
 
 Runs the experiment preset's stages (prepare, regenerate, extract, train, evaluate) in order, each as
 a subprocess (`python -m eagle_train.<stage> OVERRIDES...`: stage modules are never imported here), all
-writing under one run directory. A stage whose outputs exist is skipped, so a rerun resumes; a stage
-whose command changed since it finished is run again. Each stage's output is shown live and kept in
+writing under one run directory (locked: eagle_train.lock). When a stage finishes, its record
+`<run_dir>/.stages/<stage>.json` keeps the hash of its command, the sha256 of its outputs and of its
+inputs (the outputs of the stages before it). A rerun skips a stage only when that record says it
+finished with the same command and the same inputs and its outputs are unchanged; a stage killed
+mid-run has no record and runs again, and once a stage runs, every stage after it runs too (so a
+`force=[train]` re-evaluates the new head). Each stage's output is shown live and kept in
 `<run_dir>/logs/<stage>.log`; `<run_dir>/pipeline.json` records the commands and their times. The
 evaluation report table is printed once: live by the evaluate stage, or at the end when it was skipped.
 
@@ -21,8 +25,8 @@ import time
 from pathlib import Path
 
 from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
-from eagle_train.entry import stage_main
-from eagle_train.files import atomic_write_json
+from eagle_train.entry import stage_lock, stage_main
+from eagle_train.files import FileFormatError, atomic_write_json, file_sha256, read_json, remove_partial_files
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
@@ -42,14 +46,42 @@ def command_hash(argv: list[str]) -> str:
     return hashlib.sha256(json.dumps(stable).encode()).hexdigest()[:16]
 
 
-def is_finished(spec: StageSpec, marker: Path, argv: list[str]) -> tuple[bool, str]:
-    """Whether a stage can be skipped: its outputs exist and it last ran with this command."""
+def fingerprint(paths: list[str]) -> dict[str, str | None]:
+    """sha256 of each output file (None: missing; a directory: the sorted names, sizes and mtimes inside)."""
+    out: dict[str, str | None] = {}
+    for name in paths:
+        path = Path(name)
+        if path.is_file():
+            out[name] = file_sha256(path)
+        elif path.is_dir():
+            listing = sorted(
+                (str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")
+            )
+            out[name] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+        else:
+            out[name] = None
+    return out
+
+
+def is_finished(spec: StageSpec, marker: Path, argv: list[str], inputs: dict) -> tuple[bool, str]:
+    """Whether a stage can be skipped: its record says it finished with this command and these inputs,
+    and its outputs are the ones it wrote."""
     missing = [o for o in spec.outputs if not Path(o).exists()]
     if missing:
         return False, f"missing {missing[0]}"
-    if marker.is_file() and json.loads(marker.read_text()).get("hash") != command_hash(argv):
+    if not marker.is_file():
+        return False, "no record that it finished (a first run, or one that was stopped)"
+    try:
+        record = read_json(marker, "pipeline stage record")
+    except FileFormatError as err:
+        return False, f"{err}"
+    if not isinstance(record, dict) or record.get("hash") != command_hash(argv):
         return False, "its command changed since it finished"
-    return True, "outputs present"
+    if record.get("inputs") != inputs:
+        return False, "its inputs changed since it finished"
+    if record.get("outputs") != fingerprint(spec.outputs):
+        return False, "its outputs changed since it finished"
+    return True, "finished with this command and these inputs"
 
 
 def run_logged(argv: list[str], log_file: Path, env: dict[str, str]) -> int:
@@ -68,17 +100,30 @@ def run_logged(argv: list[str], log_file: Path, env: dict[str, str]) -> int:
         return proc.wait()
 
 
-def run_stage(name: str, spec: StageSpec, cfg: PipelineConfig, run_dir: Path) -> dict:
-    """Run one stage unless finished; return its record for pipeline.json."""
+def run_stage(
+    name: str, spec: StageSpec, cfg: PipelineConfig, run_dir: Path, inputs: dict, rerun: str
+) -> dict:
+    """Run one stage unless finished (`rerun`: why it must run anyway, "" if it need not); return its
+    record for pipeline.json, with the fingerprint of its outputs."""
     argv = stage_command(spec, cfg.overrides.get(name, []))
     marker = run_dir / ".stages" / f"{name}.json"
-    done, why = is_finished(spec, marker, argv)
-    if done and name not in cfg.force:
+    done, why = is_finished(spec, marker, argv, inputs)
+    if name in cfg.force:
+        done, why = False, "forced"
+    elif rerun:
+        done, why = False, rerun
+    if done:
         print(f"[pipeline] {name}: skipped ({why})", flush=True)
-        return {"stage": name, "argv": argv, "skipped": True, "seconds": 0.0}
-    print(f"[pipeline] {name}: {' '.join(argv)}", flush=True)
+        return {
+            "stage": name,
+            "argv": argv,
+            "skipped": True,
+            "seconds": 0.0,
+            "outputs": fingerprint(spec.outputs),
+        }
+    print(f"[pipeline] {name} ({why}): {' '.join(argv)}", flush=True)
     if cfg.dry_run:
-        return {"stage": name, "argv": argv, "skipped": False, "seconds": 0.0, "dry_run": True}
+        return {"stage": name, "argv": argv, "skipped": False, "seconds": 0.0, "dry_run": True, "outputs": {}}
     marker.unlink(missing_ok=True)
     start = time.perf_counter()
     code = run_logged(argv, run_dir / "logs" / f"{name}.log", spec.env)
@@ -90,22 +135,43 @@ def run_stage(name: str, spec: StageSpec, cfg: PipelineConfig, run_dir: Path) ->
     missing = [o for o in spec.outputs if not Path(o).exists()]
     if missing:
         raise SystemExit(f"[pipeline] stage {name!r} finished but did not write {missing}")
+    outputs = fingerprint(spec.outputs)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(marker, {"hash": command_hash(argv), "argv": argv, "seconds": seconds})
+    record = {
+        "hash": command_hash(argv),
+        "argv": argv,
+        "seconds": seconds,
+        "inputs": inputs,
+        "outputs": outputs,
+    }
+    atomic_write_json(marker, record)
     print(f"[pipeline] {name}: done in {seconds:.1f} s", flush=True)
-    return {"stage": name, "argv": argv, "skipped": False, "seconds": seconds}
+    return {"stage": name, "argv": argv, "skipped": False, "seconds": seconds, "outputs": outputs}
 
 
 def run(cfg: PipelineConfig) -> list[dict]:
     """Run the experiment's enabled stages in order; print the stage times and the report table."""
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with stage_lock(run_dir, "pipeline"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (run_dir, run_dir / ".stages"):  # what killed writes of pipeline.json / records left
+            if directory.is_dir():
+                remove_partial_files(directory, "*.json")
+        return run_stages(cfg, run_dir)
+
+
+def run_stages(cfg: PipelineConfig, run_dir: Path) -> list[dict]:
+    """The stages in order: each one's inputs are the outputs of those before it; after one runs, all
+    later ones run."""
     start = time.perf_counter()
-    records = [
-        run_stage(name, cfg.stages[name], cfg, run_dir)
-        for name in STAGE_ORDER
-        if name in cfg.stages and cfg.stages[name].enabled
-    ]
+    records: list[dict] = []
+    inputs: dict[str, dict] = {}
+    for name in (n for n in STAGE_ORDER if n in cfg.stages and cfg.stages[n].enabled):
+        ran = next((r["stage"] for r in records if not r["skipped"]), None)
+        rerun = f"{ran} ran before it" if ran else ""
+        record = run_stage(name, cfg.stages[name], cfg, run_dir, dict(inputs), rerun)
+        inputs[name] = record.pop("outputs")
+        records.append(record)
     total = time.perf_counter() - start
     summary = {"experiment": cfg.name, "run_dir": str(run_dir), "total_seconds": total, "stages": records}
     if not cfg.dry_run:

@@ -11,10 +11,14 @@ the attention mask, so a batched greedy reply equals the one-at-a-time reply), g
 counted; in `turns=all` a later turn that does not fit ends the conversation there (counted).
 
 Output: ShareGPT JSONL `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}],
-"finish_reasons": ["stop"|"length", ...]}`. Each process appends whole lines to `<out>.part<rank>`
-(flushed per conversation group); at the end the main process merges the parts with any existing
-`<out>` in input order and replaces `<out>` atomically, and writes `<out>.stats.json`. A rerun drops
-a torn trailing line and skips every id already written, so nothing is duplicated or truncated.
+"finish_reasons": ["stop"|"length", ...]}`. `<out>.stats.json` records the settings that decide the
+replies (target, data file and its sha256, turns, lengths, sampling) from the start, and the counts at
+the end. Each process appends whole lines to `<out>.part<rank>` (flushed per conversation group; never
+through a symlink); at the end the main process merges the parts with any existing `<out>` in input
+order and replaces `<out>` atomically. A rerun drops a torn trailing line and skips every id already
+written, so nothing is duplicated or truncated. `out` is refused when it is the input file, or when it
+(or a part file) exists but is not this command's output: lines that are not this stage's records, no
+stats file, or other settings (`overwrite=true` starts it over). The output is locked (eagle_train.lock).
 Several processes: `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m
 eagle_train.regenerate ...` (or plain `accelerate launch` on GPUs).
 """
@@ -23,9 +27,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,12 +38,19 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
-from eagle_train.config.base import resolve_path
+from eagle_train.config.base import mismatches, resolve_path
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
-from eagle_train.data.sharegpt import load_conversations
-from eagle_train.entry import stage_main
-from eagle_train.files import atomic_write_json, atomic_write_lines
+from eagle_train.data.sharegpt import check_data_file, load_conversations
+from eagle_train.entry import stage_lock, stage_main
+from eagle_train.files import (
+    FileFormatError,
+    atomic_write_json,
+    atomic_write_lines,
+    file_sha256,
+    read_json,
+    remove_partial_files,
+)
 from eagle_train.modeling.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -155,38 +167,127 @@ def regenerate_group(
 # ------------------------------------------------------------------------------------- resumable output
 
 
-def read_records(path: Path) -> list[dict]:
-    """Whole records of a JSONL file written by this stage; a torn trailing line (no newline or not
-    JSON: an interrupted write) is ignored; a bad line inside the file is an error naming it."""
+def read_records(path: Path, complete: bool = False) -> list[dict]:
+    """The records of a JSONL file written by this stage. A torn trailing line (no newline: an
+    interrupted append to a part file) is ignored, unless `complete` (the merged `out`, which is only
+    ever written whole): then it is an error like any line that is not one of this stage's records."""
     if not path.is_file():
         return []
-    complete, _, _torn = path.read_bytes().rpartition(b"\n")  # _torn: a last line without its newline
+    data = read_no_follow(path)
+    body, _, torn = data.rpartition(b"\n")  # torn: a last line without its newline
+    if complete and torn.strip():
+        raise OutputError(f"{path}: the last line has no newline: not a file this stage wrote whole")
     records = []
-    for number, line in enumerate(complete.split(b"\n") if complete else [], 1):
+    for number, line in enumerate(body.split(b"\n") if body else [], 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except ValueError as err:
-            raise ValueError(
-                f"{path}: line {number}: not JSON ({err}); remove or fix that line and rerun"
-            ) from err
-        if not isinstance(record, dict) or "id" not in record:
-            raise ValueError(
-                f"{path}: line {number}: not a record with an id; remove or fix that line and rerun"
+        except (ValueError, RecursionError) as err:
+            raise OutputError(f"{path}: line {number}: not JSON ({err})") from None
+        if not is_record(record):
+            raise OutputError(
+                f"{path}: line {number}: not a record written by eagle_train.regenerate "
+                "(an object with id, conversations and finish_reasons)"
             )
         records.append(record)
     return records
 
 
-def repair(path: Path) -> None:
-    """Cut a torn trailing line (everything after the last newline) so appends start on a fresh line."""
-    if path.is_file():
-        data = path.read_bytes()
-        keep = data.rfind(b"\n") + 1
-        if keep != len(data):
-            with path.open("r+b") as f:
-                f.truncate(keep)
+class OutputError(ValueError):
+    """`out` (or one of its part files) is not this command's own output; names the file and line."""
+
+
+def is_record(record) -> bool:
+    """A record this stage writes: {"id", "conversations": [...], "finish_reasons": [...]}."""
+    return (
+        isinstance(record, dict)
+        and set(record) == {"id", "conversations", "finish_reasons"}
+        and isinstance(record["conversations"], list)
+        and isinstance(record["finish_reasons"], list)
+    )
+
+
+def read_no_follow(path: Path) -> bytes:
+    """A file's bytes, refusing a symlink (a planted link must not make this stage read or write
+    elsewhere)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot open ({err.strerror}); a symlink is never followed") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def open_part(path: Path):
+    """The part file for appending whole lines: created if missing, never through a symlink, a torn
+    trailing line cut first."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot open ({err.strerror}); a symlink is never followed") from None
+    f = os.fdopen(fd, "r+b")
+    data = f.read()
+    f.truncate(data.rfind(b"\n") + 1)  # cut a torn line so appends start on a fresh line
+    f.seek(0, os.SEEK_END)
+    return f
+
+
+def settings(cfg: RegenerateConfig, data_file: Path) -> dict:
+    """What decides the replies: a rerun into the same `out` must match (batch sizes and process
+    counts do not: a batched greedy reply equals the one-at-a-time reply)."""
+    target = {k: v for k, v in asdict(cfg.target).items() if k != "name"}
+    data = {k: getattr(cfg.data, k) for k in ("limit", "max_len", "leading_assistant", "repeated_roles")}
+    return {
+        "target": target,
+        "data": {"path": str(data_file), "sha256": file_sha256(data_file), **data},
+        **{k: getattr(cfg, k) for k in ("turns", "max_new_tokens", "temperature", "top_p", "seed")},
+    }
+
+
+def stats_path(out: Path) -> Path:
+    return out.with_name(f"{out.name}.stats.json")
+
+
+def check_output(out: Path, data_file: Path, wanted: dict, overwrite: bool) -> bool:
+    """Refuse an `out` that is the input, or that exists (or has part files) without being this
+    command's own output: records of this stage, settings equal to `wanted` in `<out>.stats.json`.
+    Returns True when what exists must be cleared first (`overwrite` with other settings)."""
+    if out.exists() and data_file.exists() and os.path.samefile(out, data_file):
+        raise OutputError(
+            f"out={out} is the input data file: regenerate writes a new file (choose another out)"
+        )
+    parts = part_files(out)
+    if not (out.exists() or out.is_symlink() or parts):
+        return False
+    try:
+        if out.exists() or out.is_symlink():
+            if out.is_symlink() or not out.is_file():
+                raise OutputError(f"{out}: exists and is not a regular file")
+            read_records(out, complete=True)
+        for part in parts:
+            read_records(part)
+        stats = stats_path(out)
+        if not stats.is_file():
+            raise OutputError(f"{out}: not written by eagle_train.regenerate (no {stats.name} beside it)")
+        recorded = read_json(stats, "regenerate settings").get("settings", {})
+        diffs = mismatches(wanted, recorded)
+        if diffs:
+            raise OutputError(f"{out} was written with other settings: " + "; ".join(diffs))
+    except (OutputError, FileFormatError, AttributeError) as err:
+        if overwrite:
+            return True
+        raise OutputError(
+            f"{err}. Refusing to add to or replace it: choose another out, or pass overwrite=true to "
+            "start it over"
+        ) from None
+    return False
+
+
+def clear_output(out: Path) -> None:
+    """Remove `out`, its part files and its stats (overwrite=true)."""
+    for path in [out, *part_files(out), stats_path(out)]:
+        path.unlink(missing_ok=True)
 
 
 def part_files(out: Path) -> list[Path]:
@@ -198,7 +299,7 @@ def merge(out: Path, order: dict[str, int]) -> int:
     remove the parts. Returns the number of records."""
     unique: dict[str, dict] = {}
     for source in [out, *part_files(out)]:
-        for record in read_records(source):
+        for record in read_records(source, complete=source == out):
             unique.setdefault(record["id"], record)
     records = sorted(unique.values(), key=lambda r: order.get(r["id"], len(order)))
     atomic_write_lines(out, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -217,10 +318,27 @@ def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
     accelerator = accelerator or Accelerator()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    rank, world = accelerator.process_index, accelerator.num_processes
     out = Path(resolve_path(cfg.out) or cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with stage_lock(out, "regenerate", accelerator):
+        return regenerate(cfg, out, accelerator)
+
+
+def regenerate(cfg: RegenerateConfig, out: Path, accelerator: Accelerator) -> dict:
+    """The stage under its output lock: check `out` is this command's own, answer what is not done."""
+    rank, world = accelerator.process_index, accelerator.num_processes
     dataset, report = load_conversations(cfg.data, require_replies=False)
+    data_file = check_data_file(cfg.data.path)
+    wanted = settings(cfg, data_file)
+    clear = check_output(out, data_file, wanted, cfg.overwrite)  # every rank: the same verdict
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for name in (out.name, stats_path(out).name):  # what killed writes of this output left
+            remove_partial_files(out.parent, name)
+        if clear:
+            clear_output(out)
+        atomic_write_json(stats_path(out), {"settings": wanted, "complete": False})
+    accelerator.wait_for_everyone()
     ids, order = dataset["id"], {i: n for n, i in enumerate(dataset["id"])}
     done = {r["id"] for source in [out, *part_files(out)] for r in read_records(source)}
     accelerator.wait_for_everyone()  # every rank read the same done set before anyone appends
@@ -245,20 +363,18 @@ def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
         written=0,
         tokens=0,
     )
-    part = out.with_name(f"{out.name}.part{rank}")
-    repair(part)
     bar = tqdm(
         total=len(convs),
         desc=f"regenerate[{rank}]",
         disable=not (cfg.progress and accelerator.is_main_process),
     )
     start = time.perf_counter()
-    with part.open("a", encoding="utf-8") as f:
+    with open_part(out.with_name(f"{out.name}.part{rank}")) as f:
         for number, lo in enumerate(range(0, len(convs), cfg.batch_size)):
             group = convs[lo : lo + cfg.batch_size]
             seed = cfg.seed + rank * 1_000_003 + number * 101
             records, counts = regenerate_group(target, renderer, group, cfg, limit, seed)
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
             f.flush()
             stats.update(counts)
             stats["written"] += len(records)
@@ -266,10 +382,10 @@ def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
             bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - start):.0f}")
     bar.close()
     stats["seconds"] = round(time.perf_counter() - start, 3)
-    return finish(accelerator, out, order, stats)
+    return finish(accelerator, out, order, stats, wanted)
 
 
-def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Counter) -> dict:
+def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Counter, wanted: dict) -> dict:
     """Gather every rank's counts; the main process merges the parts and writes the stats file."""
     everyone = gather_object([dict(stats)])
     accelerator.wait_for_everyone()
@@ -284,7 +400,7 @@ def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Co
     )
     if accelerator.is_main_process:
         total["records"] = merge(out, order)
-        atomic_write_json(out.with_name(f"{out.name}.stats.json"), total)
+        atomic_write_json(stats_path(out), {**total, "settings": wanted, "complete": True})
         log.info("regenerate: %s -> %s: %s", len(order), out, total)
     accelerator.wait_for_everyone()
     return total

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from eagle_train.config.base import resolve_path
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
-from eagle_train.entry import stage_main
+from eagle_train.entry import on_main, stage_lock, stage_main
+from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.target import Target, load_target, load_target_config
@@ -35,11 +36,8 @@ from eagle_train.training.data import Source, batch_to, collate, online_collate,
 from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
 from eagle_train.training.heads import build_head
 from eagle_train.training.objective import Objective, make_objective
-from eagle_train.training.optim import build_optimizer, grad_norm, lr_at, set_lr
-from eagle_train.training.sources import online_features, open_online, open_store
-
-# Settings that decide the batch plan: a resumed run must use the same.
-PLAN_KEYS = ("seed", "max_tokens", "max_batch_size", "bucket")
+from eagle_train.training.optim import NonFiniteError, build_optimizer, check_finite, grad_norm, lr_at, set_lr
+from eagle_train.training.sources import online_features, open_online, open_store, source_identity
 
 
 @dataclass
@@ -51,6 +49,7 @@ class RunData:
     held_out: list[int]
     make_batch: Callable[[list[int]], dict[str, torch.Tensor]]
     identity: dict[str, Any]  # target identity for checkpoint meta
+    source_identity: dict[str, Any]  # the data and target part of the run's identity (resume checks it)
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -101,16 +100,24 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
             return online_collate([source[i] for i in indices], features, device)
+
+        data = {"sha256": file_sha256(resolve_path(cfg.data.path))}
     else:
         source, identity = open_store(resolve_path(cfg.features), target, hf_config, aux_layers)
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
             return collate([source[i] for i in indices])
 
+        data = {"store": source.content_hash()}
+
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
         raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
-    return RunData(source, train, held_out, make_batch, identity), target
+    sources = source_identity(target, hf_config, data)
+    return RunData(source, train, held_out, make_batch, identity, sources), target
+
+
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def step_batches(
@@ -155,7 +162,9 @@ def train_step(
 
 
 def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) -> float:
-    """Clip (norm or value), step, zero the gradients; returns the gradient norm before clipping."""
+    """Clip (norm or value), step, zero the gradients; returns the gradient norm before clipping.
+    NonFiniteError before the step when the (all-reduced, so identical on every process) norm is not
+    finite; under DeepSpeed the engine steps and the loss check in `fit` is the guard."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # the engine clips and steps
         optimizer.step()
         optimizer.zero_grad()
@@ -163,6 +172,7 @@ def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) 
         return float(engine_norm) if engine_norm is not None else float("nan")
     params = [p for p in model.parameters() if p.requires_grad]
     norm = grad_norm(params)
+    check_finite("gradient norm", norm)
     if cfg.optim.clip == "norm":
         accelerator.clip_grad_norm_(params, cfg.optim.clip_value)
     elif cfg.optim.clip == "value":
@@ -197,7 +207,10 @@ def evaluate(
             batch_to(data.make_batch(indices), accelerator.device, head.fc.weight.dtype)
         )
         with accelerator.autocast():
-            for key, value in draft_metric_sums(head, batch, cfg.eval_depth, lm_weight).items():
+            eagle3_lm = (
+                lm_weight if head.kind == "eagle3" else None
+            )  # EAGLE-1: the head's logits are the target's
+            for key, value in draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm).items():
                 totals[key] += value
             for key, value in objective.sums(head, batch, None).items():
                 totals[key] += float(value)
@@ -217,24 +230,49 @@ def log_metrics(accelerator: Accelerator, out_dir: Path, step: int, values: dict
     accelerator.log(values, step=step)
 
 
-def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """max_steps, or epochs full passes over the training plan."""
-    return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+def trim_metrics(out_dir: Path, step: int) -> None:
+    """Keep the metric lines up to `step` (the resumed checkpoint's): what a killed run logged after its
+    last checkpoint is logged again by the resumed one, once. A torn last line is dropped too."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    atomic_write_lines(path, kept)
 
 
-def resume_state(cfg: TrainConfig, out_dir: Path, accelerator: Accelerator) -> dict[str, Any]:
-    """Trainer state from the newest complete checkpoint (resume=auto), else a fresh one."""
-    fresh = {"step": 0, "epoch": 0, "cursor": 0, "plan": {k: getattr(cfg, k) for k in PLAN_KEYS}}
-    found = ckpt.resumable_checkpoints(out_dir) if cfg.resume == "auto" else []
-    if not found:
-        return fresh
-    state = ckpt.load_checkpoint(accelerator, found[-1])
-    if state["plan"] != fresh["plan"]:
-        raise ValueError(
-            f"{found[-1]}: cannot resume, batch plan settings differ: checkpoint {state['plan']}, "
-            f"config {fresh['plan']} (use another out_dir or resume=never)"
-        )
-    accelerator.print(f"resumed from {found[-1]} at step {state['step']}")
+def total_steps(cfg: TrainConfig, data: RunData, per_step: int) -> int:
+    """max_steps, or `epochs` full passes over the training plans (each epoch's own: with bucket_jitter or
+    bucket=false an epoch's micro-batch count varies a little)."""
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return sum(len(epoch_plan(cfg, data, epoch)) // per_step for epoch in range(cfg.epochs))
+
+
+def prepare_run_dir(cfg: TrainConfig, out_dir: Path) -> None:
+    """Under the output lock (main process): remove what killed writes left (`.NAME.partial-*`); with
+    resume=never, the earlier run's checkpoints, final head and metrics, so a later rerun cannot resume it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (out_dir, out_dir / ckpt.CHECKPOINT_DIR):
+        if directory.is_dir():
+            remove_partial_files(directory)
+    if cfg.resume == "never":
+        ckpt.clear_run(out_dir)
+
+
+def resume_state(cfg: TrainConfig, s: Session) -> dict[str, Any]:
+    """Trainer state from the newest valid checkpoint (resume=auto) whose run identity matches, else a
+    fresh one (and a fresh metrics file); metric lines logged after the checkpoint are dropped."""
+    state = ckpt.resume(s.accelerator, s.out_dir, s.identity) if cfg.resume == "auto" else None
+    if state is None:
+        on_main(s.accelerator, lambda: (s.out_dir / "metrics.jsonl").unlink(missing_ok=True))
+        return {"step": 0, "epoch": 0, "cursor": 0}
+    on_main(s.accelerator, lambda: trim_metrics(s.out_dir, state["step"]))
     return state
 
 
@@ -247,29 +285,36 @@ class Session:
     optimizer: Any  # the prepared AdamW
     data: RunData
     objective: Objective  # what a step computes for this head type (training/objective.py)
-    lm_weight: torch.Tensor  # the target's frozen LM head [vocab, hidden] on the device
+    lm_weight: (
+        torch.Tensor
+    )  # the target's frozen LM head [vocab, hidden], working dtype (EAGLE-1: the head's)
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
+    identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
     per_step: int  # micro-batches per optimizer step over all processes
-    steps_per_epoch: int
+    steps_per_epoch: int  # of the first epoch (the others may differ by a few: see total_steps)
     total: int  # optimizer steps of the whole schedule
     stop: int  # where this invocation stops (stop_at_step or total)
     target: Target | None = None  # the frozen target (its tokenizer and stop ids for the engine evaluation)
 
 
-def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
-    """Accelerator, data, head, optimizer and the (resumed) trainer state."""
-    accelerator = make_accelerator(cfg)
+def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str, Any]]:
+    """Data, head, optimizer and the (resumed) trainer state (under the output lock)."""
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
-    head = build_head(cfg.draft, target, data.source, data.train, cfg.seed)
-    lm_weight = target.lm_head.weight.detach().float().to(accelerator.device)
-    objective = make_objective(head.kind, cfg.loss, lm_weight, head)
+    frozen_dtype = FROZEN_DTYPES.get(str(accelerator.mixed_precision), torch.float32)
+    head = build_head(cfg.draft, target, data.source, data.train, cfg.seed, frozen_dtype)
     optimizer = build_optimizer(head, cfg.optim)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
+    prepared_head = accelerator.unwrap_model(model)
+    if prepared_head.kind == "eagle1":
+        lm_weight = prepared_head.lm_head.weight  # the head's own frozen copy, no other
+    else:  # an EAGLE-3 head has its own LM head: the target's is held once, for the soft targets
+        lm_weight = target.lm_head.weight.detach().to(accelerator.device, frozen_dtype)
+    objective = make_objective(prepared_head.kind, cfg.loss, lm_weight, target.logit_transform, prepared_head)
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
@@ -283,10 +328,10 @@ def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
             f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
             f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
         )
-    total = total_steps(cfg, steps_per_epoch)
-    state = resume_state(cfg, out_dir, accelerator)
-    if state["step"] == 0 and accelerator.is_main_process:  # a fresh run starts a fresh metrics file
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    total = total_steps(cfg, data, per_step)
+    identity = ckpt.run_identity(
+        cfg, data.source_identity, accelerator.num_processes, precision_of(accelerator)
+    )
     if cfg.wandb:
         accelerator.init_trackers(cfg.wandb_project, config=json.loads(json.dumps(asdict(cfg), default=str)))
     accelerator.print(
@@ -303,19 +348,31 @@ def setup(cfg: TrainConfig) -> tuple[Session, dict[str, Any]]:
         lm_weight,
         out_dir,
         meta,
+        identity,
         per_step,
         steps_per_epoch,
         total,
         min(total, cfg.stop_at_step or total),
         target,
     )
-    return session, state
+    return session, resume_state(cfg, session)
+
+
+def precision_of(accelerator: Accelerator) -> str:
+    """The precision training really runs in (mixed_precision=auto resolved)."""
+    return str(accelerator.mixed_precision)
 
 
 def epoch_plan(cfg: TrainConfig, data: RunData, epoch: int) -> list[list[int]]:
     """The micro-batches of one epoch (a pure function of the config and the epoch: resumable)."""
     return plan_epoch(
-        data.train, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, cfg.bucket, cfg.seed + epoch
+        data.train,
+        data.source.lengths,
+        cfg.max_tokens,
+        cfg.max_batch_size,
+        cfg.bucket,
+        cfg.seed + epoch,
+        cfg.bucket_jitter,
     )
 
 
@@ -343,23 +400,32 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
     """The loop: one optimizer step per iteration, logging, evaluation and checkpoints."""
     acc = s.accelerator
     bar = tqdm(total=s.stop, initial=state["step"], disable=not (cfg.progress and acc.is_local_main_process))
-    plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
+    plan = epoch_plan(cfg, s.data, state["epoch"])
     keys = (*s.objective.terms, "positions")
     window_start, window = time.perf_counter(), torch.zeros(len(keys), device=acc.device)
     window_from = state["step"]  # the step the log window started after
     while state["step"] < s.stop:
-        if state["cursor"] + s.per_step > s.steps_per_epoch * s.per_step:  # epoch done (remainder dropped)
+        if state["cursor"] + s.per_step > len(plan):  # epoch done (its remainder dropped)
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
-        if plan_index != state["epoch"]:
-            plan, plan_index = epoch_plan(cfg, s.data, state["epoch"]), state["epoch"]
-        batches = [s.data.make_batch(b) for b in step_batches(plan, state["cursor"], acc, cfg.grad_accum)]
-        lr = lr_at(state["step"], s.total, cfg.optim)
+            plan = epoch_plan(cfg, s.data, state["epoch"])
+            if len(plan) < s.per_step:
+                raise RuntimeError(
+                    f"epoch {state['epoch']}: {len(plan)} micro-batches < {s.per_step} per step"
+                )
+        mine = step_batches(plan, state["cursor"], acc, cfg.grad_accum)
+        batches = [s.data.make_batch(b) for b in mine]
+        lr = lr_at(state["step"], s.total, cfg.optim, acc.num_processes)
         set_lr(s.optimizer, lr)
         sums = train_step(s.model, batches, s.objective, cfg, acc, noise_seeds(cfg, state, acc, len(batches)))
-        window += torch.stack(
-            [torch.as_tensor(sums[k], dtype=torch.float32, device=acc.device) for k in keys]
-        )
-        norm = clip_and_step(s.model, s.optimizer, cfg, acc)
+        terms = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=acc.device) for k in keys])
+        try:
+            check_finite(
+                f"training loss terms ({', '.join(s.objective.terms)})", acc.reduce(terms.clone(), "sum")
+            )
+            norm = clip_and_step(s.model, s.optimizer, cfg, acc)
+        except NonFiniteError as err:
+            raise NonFiniteError(nonfinite_report(err, state, s, mine)) from None
+        window += terms
         state["step"], state["cursor"] = state["step"] + 1, state["cursor"] + s.per_step
         step = state["step"]
         bar.update(1)
@@ -382,7 +448,7 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         ):
             log_engine_metrics(cfg, s, step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == s.stop:
-            ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, cfg.keep_last)
+            ckpt.save_checkpoint(acc, s.model, s.out_dir, step, s.meta, state, s.identity, cfg.keep_last)
     bar.close()
 
 
@@ -396,9 +462,30 @@ def log_engine_metrics(cfg: TrainConfig, s: Session, step: int) -> None:
     acc.wait_for_everyone()
 
 
+def nonfinite_report(err: NonFiniteError, state: dict[str, Any], s: Session, mine: list[list[int]]) -> str:
+    """Where a non-finite value appeared: the step, the micro-batches of the epoch plan and this process's
+    sample ids, and what was not done about it."""
+    ids = [s.data.source.ids[i] for batch in mine for i in batch]
+    shown = ", ".join(ids[:8]) + (", ..." if len(ids) > 8 else "")
+    first = state["cursor"]
+    return (
+        f"{err} at step {state['step'] + 1} (epoch {state['epoch']}, micro-batches {first}..{first + s.per_step - 1} "
+        f"of the epoch plan; this process's samples: {shown}). Stopped before the optimizer step: no "
+        "checkpoint holds these weights. Check the data (a feature store is verified when read) or lower optim.lr."
+    )
+
+
 def run(cfg: TrainConfig) -> dict[str, float]:
-    """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}."""
-    session, state = setup(cfg)
+    """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}
+    under an exclusive lock on out_dir (eagle_train.lock)."""
+    accelerator = make_accelerator(cfg)
+    with stage_lock(cfg.out_dir, "train", accelerator):
+        return train(cfg, accelerator)
+
+
+def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
+    """The stage under its lock: setup, the loop, the final evaluation and head."""
+    session, state = setup(cfg, accelerator)
     fit(cfg, session, state)
     acc = session.accelerator
     head = acc.unwrap_model(session.model)

@@ -76,7 +76,7 @@ def train_draft(
     torch.manual_seed(0)
     logits, feats = target.features(rows)  # [n, seq, vocab], [n, seq, hidden]
     head = DraftHead.from_target(target.config)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     for step in range(steps):
@@ -190,7 +190,7 @@ def main() -> None:
     target = load_target(to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig))
     if args.draft:
         head, _ = load_head(args.draft)
-        head.share_target_weights(target.embed_tokens, target.lm_head)
+        head.share_target_weights(target)
         head.eval()
     else:
         t0 = time.perf_counter()

@@ -13,13 +13,14 @@ safetensors' `safe_open(...).get_slice`. Prints a table, writes bench_results/ex
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,13 +33,15 @@ from eagle_train.config.base import CONF_DIR, data_path, to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.target import TargetConfig
-from eagle_train.data.sharegpt import load_conversations
+from eagle_train.data.render import ChatRenderer, tokenize_stream
+from eagle_train.data.sharegpt import DropReport, stream_conversations
 from eagle_train.modeling.target import load_target
 from eagle_train.store import (
     HIDDEN_DTYPES,
     FeatureStore,
     plan_shards,
     prepare_out_dir,
+    store_hash,
     write_manifest,
     write_shard,
 )
@@ -51,18 +54,43 @@ VARIANTS = {  # name -> (ExtractConfig overrides, attention mask)
 }
 
 
-def extract_once(cfg: ExtractConfig, target, data, attention_mask: bool) -> tuple[float, Path]:
+@dataclass
+class Tokenized:
+    """The tokenized conversations once, shared by every variant."""
+
+    rows: list[dict]
+    identity: dict
+    report: DropReport
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r["input_ids"]) for r in self.rows]
+
+
+def tokenize(cfg: ExtractConfig, target) -> Tokenized:
+    """Stream, clean and tokenize cfg.data as extraction does, keeping the rows."""
+    max_len = target.length_limit(cfg.data.max_len)
+    renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
+    report = DropReport()
+    rows = list(tokenize_stream(stream_conversations(cfg.data, report), renderer, report))
+    source = extract.data_source(cfg.data)
+    return Tokenized(
+        rows, extract.store_identity(cfg, target, renderer.template_name, max_len, source), report
+    )
+
+
+def extract_once(cfg: ExtractConfig, target, data: Tokenized, attention_mask: bool) -> tuple[float, Path]:
     """Wall seconds to extract and write every shard into a fresh store (the loop of
     `extract.extract_shards`, one process), and the store's directory."""
     out_dir = Path(tempfile.mkdtemp(prefix="bench_extract_"))
-    identity = extract.store_identity(cfg, target, data)
-    prepare_out_dir(out_dir, identity, overwrite=False)
+    prepare_out_dir(out_dir, data.identity, overwrite=False)
     bytes_per_token = target.hidden_size * HIDDEN_DTYPES[cfg.dtype].itemsize
     plan = plan_shards(data.lengths, bytes_per_token, cfg.shard_samples, cfg.shard_bytes)
     start = time.perf_counter()
     for k, (begin, end) in enumerate(plan):
-        rows = data.dataset[begin:end]
-        samples = extract.extract_rows(
+        rows = data.rows[begin:end]
+        fill = functools.partial(
+            extract.extract_rows,
             target,
             rows,
             cfg.max_tokens,
@@ -70,11 +98,10 @@ def extract_once(cfg: ExtractConfig, target, data, attention_mask: bool) -> tupl
             HIDDEN_DTYPES[cfg.dtype],
             attention_mask=attention_mask,
         )
-        write_shard(
-            out_dir, k, samples, cfg.dtype, target.vocab_size, extra=extract.shard_extra((begin, end))
-        )
+        extra = {"start": begin, "stop": end, "store": store_hash(data.identity)}
+        write_shard(out_dir, k, rows, cfg.dtype, target.vocab_size, extra, fill, target.hidden_size)
     seconds = time.perf_counter() - start
-    write_manifest(out_dir, identity, plan, data.report.to_dict(), "bench")
+    write_manifest(out_dir, data.identity, plan, data.report.to_dict(), "bench")
     return seconds, out_dir
 
 
@@ -118,8 +145,7 @@ def main() -> None:
         target=target_cfg, data=DataConfig(name="alpaca", path=str(ALPACA), limit=args.limit), progress=False
     )
     target = load_target(target_cfg)
-    messages, report = load_conversations(cfg.data)
-    data = extract.tokenize(cfg.data, messages, report, target)
+    data = tokenize(cfg, target)
     tokens = sum(data.lengths)
 
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}

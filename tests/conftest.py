@@ -21,6 +21,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The shape of the tiny random models of other families the tests build (vocabulary: stories260K's tokenizer).
+TINY_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 STORIES260K = DATA_DIR / "models" / "stories260K"
 DATA = DATA_DIR
 
@@ -91,3 +100,17 @@ def tiny_store_aux(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
     )
     extract(cfg)
     return out
+
+
+def reseal(store: Path, index: int) -> None:
+    """After a deliberate edit of shard `index` of a store: record the file's new sha256 and size in the
+    manifest, as a writer with a bug (or an attacker) would, so only the content checks can catch it."""
+    import json
+
+    from eagle_train.files import file_sha256
+    from eagle_train.store import MANIFEST_NAME, shard_name
+
+    shard = store / shard_name(index)
+    manifest = json.loads((store / MANIFEST_NAME).read_text())
+    manifest["shards"][index].update(sha256=file_sha256(shard), bytes=shard.stat().st_size)
+    (store / MANIFEST_NAME).write_text(json.dumps(manifest))

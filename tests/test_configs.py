@@ -61,6 +61,15 @@ def test_config_composes_and_validates(config_name, overrides):
                 assert obj.target.name == expected.name
 
 
+@pytest.mark.parametrize("preset", [t for t in _options("target") if t != "stories260k"])
+@pytest.mark.parametrize("stage", ["extract", "train", "regenerate"])
+def test_gpu_presets_train_on_2048_tokens(preset, stage):
+    """Every GPU target preset states its training length (the reference's 2048): without it the
+    default is the full context (128k for Llama-3.1) and 10-30k-token conversations reach the loss."""
+    cfg = to_schema(compose(stage, [f"target={preset}", *REQUIRED.get(stage, [])]), SCHEMAS[stage])
+    assert cfg.target.train_max_len == 2048 and cfg.data.max_len is None
+
+
 @pytest.mark.parametrize("tree", _options("tree"))
 def test_static_trees_load(tree):
     paths = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / f"{tree}.yaml"))

@@ -17,6 +17,7 @@ from eagle_train.entry import compose
 from eagle_train.export import run
 from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.interop import export_head, load_draft, load_input_embedding
 from tests.conftest import STORIES260K
 
 
@@ -49,11 +50,74 @@ def test_shipped_config_composes():
 def test_run_writes_each_layout(ckpt, tmp_path, fmt, weights):
     out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}"))
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", weights])
-    config = json.loads((out / "config.json").read_text())
+    text = (out / "config.json").read_text()
+    config = json.loads(text)
     assert config["eagle_train"]["target"] == "stories260k" and config["eagle_train"]["max_len"] == 384
-    assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_source"] == str(
-        STORIES260K
+    assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_config_hash"] == "x"
+    # 16.11: a published config.json carries no local path (the target's directory, the checkpoint's)
+    assert str(STORIES260K) not in text and str(tmp_path) not in text and "source_checkpoint" not in text
+
+
+def test_a_hub_target_id_is_kept(tmp_path, target):
+    head = DraftHead.from_target(target.config)
+    meta = {"target": {"name": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}, "max_len": 9}
+    out = run(
+        export_cfg(f"ckpt={save_head(head, tmp_path / 'c', meta)}", "format=sglang", f"out={tmp_path / 'o'}")
     )
+    assert (
+        json.loads((out / "config.json").read_text())["eagle_train"]["target_source"]
+        == meta["target"]["source"]
+    )
+
+
+def test_a_directory_export_did_not_write_is_refused_with_nothing_deleted(ckpt, tmp_path, monkeypatch):
+    """16.1: out=DIR holding other files, or out=. in such a directory, is refused and left as it was;
+    overwrite=true writes this layout's files there and deletes nothing else."""
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "sub" / "data.bin").write_bytes(b"\x00" * 10)
+    with pytest.raises(
+        FileExistsError, match=r"not an earlier format=vllm export \(it holds notes.txt, sub\)"
+    ):
+        run(export_cfg(f"ckpt={ckpt}", f"out={mine}"))
+    monkeypatch.chdir(mine)
+    with pytest.raises(
+        FileExistsError, match="overwrite=true, which writes config.json and model.safetensors"
+    ):
+        run(export_cfg(f"ckpt={ckpt}", "out=."))
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").stat().st_size == 10
+    run(export_cfg(f"ckpt={ckpt}", "out=.", "overwrite=true"))
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub"]
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").exists()
+    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+        run(export_cfg(f"ckpt={ckpt}", f"out={mine / 'notes.txt'}"))
+
+
+def test_an_earlier_export_is_replaced_and_another_layout_needs_overwrite(ckpt, tmp_path):
+    out = tmp_path / "export"
+    run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={out}"))
+    run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={out}", "dtype=bfloat16"))  # same layout: replaced
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(FileExistsError, match="not an earlier format=eagle export"):
+        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={out}"))
+    run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={out}", "overwrite=true"))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "pytorch_model.bin",
+    ]  # its own weights went
+    (tmp_path / "empty").mkdir()
+    run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'empty'}"))  # an empty directory is written into
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_head_with_non_finite_weights_is_never_exported(target, tmp_path):
+    head = DraftHead.from_target(target.config)
+    head.fc.weight.data[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="fc.weight holds 1 non-finite values"):
+        export_head(head, "vllm", tmp_path / "nan")
+    assert not (tmp_path / "nan").exists()
 
 
 def test_exports_are_readable_by_another_user(ckpt, tmp_path):
@@ -157,7 +221,7 @@ def random_head(target, fc_bias: bool) -> DraftHead:
         for name, p in head.named_parameters():
             if name.startswith(("fc.", "layers.")):
                 p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.eval()
 
 
@@ -166,7 +230,7 @@ def random_head(target, fc_bias: bool) -> DraftHead:
 def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_bias):
     """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with
     the original head (tokens and per-round acceptance), for every layout."""
-    from eagle_train.modeling.interop import export_head, load_draft, load_input_embedding
+    from eagle_train.modeling.interop import export_head
 
     head = random_head(target, fc_bias)
     embed = load_input_embedding(STORIES260K) if fmt == "eagle" else None
@@ -204,7 +268,7 @@ def ckpt_eagle3(target, tmp_path):
         for name, p in head.named_parameters():
             if p.requires_grad and "lm_head" not in name:
                 p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
-    head.share_target_weights(target.embed_tokens)
+    head.share_target_weights(target)
     meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"}, "max_len": 384}
     return save_head(head, tmp_path / "ckpt3", meta), head.eval()
 
@@ -213,14 +277,14 @@ def ckpt_eagle3(target, tmp_path):
 def test_eagle3_export_import_gives_identical_decoder_output(target, tmp_path, ckpt_eagle3, fmt):
     """The export stage on an EAGLE-3 checkpoint, then load_draft: the decoder drafts, accepts and emits
     what it did with the trained head, in every layout (speculators: target and K in its config)."""
-    from eagle_train.modeling.interop import load_draft
 
     ckpt, head = ckpt_eagle3
     out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}", "speculative_tokens=4"))
     config = json.loads((out / "config.json").read_text())
     if fmt == "speculators":
         assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
-        assert config["speculators_config"]["verifier"]["name_or_path"] == str(STORIES260K)
+        # the target's id: a local path is never published (export target_id=HUB_ID names the hub's)
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "stories260k"
         assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
     else:
         assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,14 @@ from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
 from eagle_train.entry import compose
 from eagle_train.extract import run
-from eagle_train.store import MANIFEST_NAME, FeatureStore, StoreMismatchError, target_config_hash
+from eagle_train.store import (
+    MANIFEST_NAME,
+    FeatureStore,
+    StoreError,
+    StoreMismatchError,
+    shard_name,
+    target_config_hash,
+)
 from tests.conftest import DATA
 
 ALPACA = str(DATA / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json")
@@ -84,6 +93,19 @@ def test_stored_features_are_the_targets(target_cfg, target, tmp_path):
     assert counts["skipped"] == report.counts and counts["seen"] == 8
     assert counts["assistant_tokens"] == sum(expected["num_assistant_tokens"])
     assert counts["bytes_per_token"] > 64 * 4  # float32 hidden states dominate
+
+
+def test_the_presets_training_length_caps_extraction(target_cfg, tmp_path):
+    """Without data.max_len, conversations are cut at the preset's train_max_len (the GPU presets: 2048),
+    not at the target's full context (stories260K: 512); data.max_len still wins when given."""
+    from dataclasses import replace
+
+    capped = replace(target_cfg, train_max_len=40)
+    run(extract_cfg(capped, tmp_path / "preset", limit=6, max_len=None, dtype="float32"))
+    store = FeatureStore(tmp_path / "preset")
+    assert store.manifest["max_len"] == 40 and max(store.lengths) == 40
+    run(extract_cfg(capped, tmp_path / "data", limit=6, max_len=24, dtype="float32"))
+    assert FeatureStore(tmp_path / "data").manifest["max_len"] == 24
 
 
 def test_bfloat16_store_keeps_the_argmax(target_cfg, target, tmp_path):
@@ -172,3 +194,69 @@ def test_aux_layers_are_extracted_for_eagle3(target_cfg, target, tmp_path):
     assert 3.9 < per_token[1] / per_token[0] < 4.0  # ids, mask and headers are shared
     with pytest.raises(StoreMismatchError, match="aux_layers"):
         run(extract_cfg(target_cfg, plain, path=FASTCHAT, limit=6, max_len=96, dtype="float32", aux=True))
+
+
+def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_path):
+    """16.9: a truncated manifest.json: training names the file; a rerun of the extraction rewrites it
+    and keeps every shard."""
+    cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
+    run(cfg)
+    ids = FeatureStore(tmp_path).ids
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("shard-*.safetensors")}
+    (tmp_path / MANIFEST_NAME).write_text((tmp_path / MANIFEST_NAME).read_text()[:100])
+    with pytest.raises(StoreError, match=r"manifest.json \(feature store manifest\): not valid JSON"):
+        FeatureStore(tmp_path)
+    run(cfg)
+    assert FeatureStore(tmp_path).ids == ids and len(kept) == 3
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("shard-*.safetensors")} == kept
+
+
+def test_a_bad_record_after_the_first_shard_names_it_and_writes_no_manifest(target_cfg, tmp_path):
+    """16.10: the file is streamed, so a bad record late in it is found after earlier shards were
+    written: the error names the file and the line, and no manifest makes the store look complete."""
+    records = json.loads(open(ALPACA).read())[:300]  # more than one tokenizer batch (256)
+    bad = tmp_path / "late.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"id": "x", "conversations": [\n')
+    with pytest.raises(
+        DataError, match=r"late.jsonl: malformed JSON on line 301 .*rerun with overwrite=true"
+    ):
+        run(extract_cfg(target_cfg, tmp_path / "store", path=bad, limit=None, shard_samples=50))
+    assert (tmp_path / "store" / shard_name(0)).exists() and not (tmp_path / "store" / MANIFEST_NAME).exists()
+
+
+MEMORY_SCRIPT = """
+import resource, sys
+import datasets
+from omegaconf import OmegaConf
+from eagle_train.config import TargetConfig
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.data.render import ChatRenderer, tokenize_conversations
+from eagle_train.modeling.target import load_tokenizer
+cfg = to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig)
+story = "Once upon a time there was a cat. " * (20 * 2**20 // 34)
+messages = [{"role": "user", "content": "Tell a long story."}, {"role": "assistant", "content": story}]
+rows = datasets.Dataset.from_dict({"id": ["a"], "messages": [messages]})
+out, _ = tokenize_conversations(rows, ChatRenderer(load_tokenizer(cfg), cfg, 256))
+print(out[0]["num_tokens"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+@pytest.mark.slow
+def test_a_20_mb_message_costs_no_more_memory_than_max_len_tokens(target_cfg, tmp_path):
+    """16.10: the text beyond what max_len tokens can hold is cut before tokenizing: a 20 MB reply
+    tokenized with max_len 256 peaks far below what tokenizing it whole takes (3.3 GB; measured here
+    before the change: see scripts/bench_extract_memory.py), and the kept tokens are those of the whole
+    text (checked on a 200 kB reply)."""
+    from eagle_train.data.render import ChatRenderer
+    from eagle_train.modeling.target import load_tokenizer
+
+    words = " ".join(f"word{k % 997} and more" for k in range(12_000))  # ~200 kB
+    tokenizer = load_tokenizer(target_cfg)
+    messages = [{"role": "user", "content": "Tell a long story."}, {"role": "assistant", "content": words}]
+    renderer = ChatRenderer(tokenizer, target_cfg, 256)
+    whole = tokenizer("".join(t for t, _ in renderer.segments(messages)), add_special_tokens=False)
+    assert renderer.render(messages).input_ids == whole["input_ids"][:256]
+    done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens, peak_mb = map(int, done.stdout.split())
+    assert tokens == 256 and peak_mb < 1000, peak_mb

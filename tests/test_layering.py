@@ -2,14 +2,14 @@
 
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
-  0 foundation   config/*, files                         stdlib, omegaconf
-  1 pure cores   loss, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
+  0 foundation   config/*, files, lock                   stdlib, omegaconf
+  1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
                  data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
-                 importers besides stages), store, engines/* (a serving engine in its own environment;
-                 engines/vllm_worker runs there: stdlib + vllm only)   + safetensors
-  3 stage pieces training/*                              torch only (accelerate objects come in as arguments)
+                 importers besides stages), store, shard, engines/* (a serving engine in its own
+                 environment; engines/vllm_worker runs there: stdlib + vllm only)   + safetensors
+  3 stage pieces training/*, checks                     torch only (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
 """
@@ -28,7 +28,9 @@ STAGES = {"extract", "train", "evaluate", "regenerate", "export", "pipeline"}
 LAYERS: list[tuple[str, int]] = [
     ("config", 0),
     ("files", 0),
+    ("lock", 0),
     ("loss", 1),
+    ("logits", 1),
     ("metrics", 1),
     ("kv_cache", 1),
     ("unroll", 1),
@@ -43,7 +45,9 @@ LAYERS: list[tuple[str, int]] = [
     ("modeling", 2),
     ("engines", 2),
     ("store", 2),
+    ("shard", 2),
     ("training", 3),
+    ("checks", 3),
     ("entry", 4),
     *((stage, 4) for stage in sorted(STAGES)),
 ]

@@ -107,10 +107,23 @@ def test_uniform_noise_is_bounded_and_reproducible():
 
 def test_length_scaled_noise_follows_the_reference_formula():
     g = torch.Generator().manual_seed(0)
-    x = torch.zeros(1, 1024, 8)
+    x = torch.zeros(1, 1023, 8)  # a sequence of 1024 tokens has 1023 head positions
     noisy = add_feature_noise(x, "length_scaled", 0.1, g)
     u = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(noisy, (u - 0.5) * 0.2 * 512 / 1024)
+
+
+def test_length_scaled_noise_uses_each_sequences_own_length():
+    """In a padded batch, a 100-token sequence gets amplitude 0.1 * 512 / 100 and a 400-token one
+    0.1 * 512 / 400, as the reference (per sample) draws them; not the padded batch length's."""
+    x = torch.zeros(2, 399, 64)
+    noisy = add_feature_noise(
+        x, "length_scaled", 0.1, torch.Generator().manual_seed(0), torch.tensor([100, 400])
+    )
+    short, long = noisy[0, :99].abs().max(), noisy[1].abs().max()
+    assert 0.5 < short <= 0.512 and 0.125 < long <= 0.128
+    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(noisy[0], (u[0] - 0.5) * 0.2 * 512 / 100)
 
 
 def test_no_noise_returns_the_input():
@@ -205,3 +218,45 @@ def test_ttt_total_weights_step_k_by_decay_to_the_k():
     total = combine_ttt_terms([torch.tensor(6.0), torch.tensor(4.0), torch.tensor(9.0)], [3, 2, 0], 0.8)
     assert total["loss"].item() == pytest.approx(2.0 + 0.8 * 2.0 + 0.64 * 9.0)  # no tokens: clamped to 1
     assert total["ce_step2"].item() == pytest.approx(2.0)
+
+
+def one_shot_ce(pred, target, weight, ids, soft=True):
+    """The CE over all positions at once (what the chunked loss must equal), float64."""
+    logp = torch.log_softmax(pred.double() @ weight.double().T, -1)
+    if soft:
+        return -(torch.softmax(target.double() @ weight.double().T, -1) * logp).sum()
+    return F.nll_loss(logp, ids, reduction="sum")
+
+
+@pytest.mark.parametrize("soft", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_ce_equals_the_one_shot_value_and_gradient(soft, chunk):
+    """Chunks of 1, 3 (uneven: 9 positions) and one chunk for all give the same CE, top-1 count and
+    gradient w.r.t. the predicted features as the one-shot computation."""
+    pred, target, weight, ids, mask = _random_case(4, b=3, n=5, vocab=13)
+    pred = pred.double().requires_grad_(True)
+    sums = eagle_loss_sums(pred, target.double(), weight.double(), ids, mask, soft, chunk=chunk)
+    sums["ce"].backward()
+    chunked_grad = pred.grad.clone()
+    pred.grad = None
+    p, t = pred[mask], target.double()[mask]
+    reference = one_shot_ce(p, t, weight, ids[mask], soft)
+    reference.backward()
+    torch.testing.assert_close(sums["ce"].double(), reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked_grad, pred.grad, rtol=1e-5, atol=1e-6)  # float32 inside
+    top1 = ((p @ weight.double().T).argmax(-1) == (t @ weight.double().T).argmax(-1)).sum()
+    assert int(sums["correct"]) == int(top1)
+
+
+def test_loss_memory_is_flat_in_sequence_length():
+    """Peak memory of the loss (forward + backward) over 512 vs 4096 positions, vocabulary 4096: it
+    grows only by the [positions, hidden] tensors, never by a [positions, vocab] one (a single
+    [3584, 4096] float32 tensor is 56 MiB; the one-shot loss held several)."""
+    from eagle_train.checks import loss_peak
+
+    vocab, hidden = 4096, 32
+    short, long = (loss_peak(n, vocab, hidden, "cpu", torch.float32, chunk=128) for n in (512, 4096))
+    per_position_vocab = (4096 - 512) * vocab * 4
+    assert long - short < 32 * (4096 - 512) * hidden * 4  # a few [positions, hidden] float32 tensors
+    assert long - short < per_position_vocab / 4
+    assert long < 16 * 128 * vocab * 4  # a few [chunk, vocab] tensors at most

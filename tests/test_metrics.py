@@ -20,7 +20,7 @@ def test_chain_attention_mask_by_hand():
 def test_chain_steps_equal_sequential_drafting(target):
     torch.manual_seed(0)
     head = DraftHead.from_target(target.config).eval()
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     ids = torch.tensor([[1, 403, 261, 30, 58, 488, 95, 11, 42, 7]])
     _, hidden = target.features(ids)
     s = shift_sequence(ids[0], torch.ones(10, dtype=torch.bool), hidden[0])

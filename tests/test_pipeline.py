@@ -86,6 +86,40 @@ def test_run_resume_rerun_and_failure(tmp_path, capsys):
     assert not (tmp_path / ".stages" / "prepare.json").exists()  # a failed stage is never marked done
 
 
+def two_stages(tmp_path, **kw) -> PipelineConfig:
+    """prepare writes a.jsonl; regenerate (the same cheap builder) writes b.jsonl after it."""
+    specs = {
+        name: StageSpec(
+            module="eagle_train.data.tinystories",
+            args=[f"out={tmp_path / file}", f"limit={limit}"],
+            outputs=[str(tmp_path / file)],
+        )
+        for name, file, limit in (("prepare", "a.jsonl", 4), ("regenerate", "b.jsonl", 3))
+    }
+    return PipelineConfig(
+        name="t", run_dir=str(tmp_path), stages=specs, report=str(tmp_path / "none.md"), **kw
+    )
+
+
+def test_only_stages_finished_with_these_inputs_are_skipped(tmp_path):
+    """16.8: outputs left by a killed or earlier run are not "finished"; a forced or rerun stage reruns
+    every stage after it; a stage whose output or input changed since it finished reruns."""
+    (tmp_path / "a.jsonl").write_text("old\n")  # an output from before, no record that it finished
+    (tmp_path / "b.jsonl").write_text("old\n")
+    assert [r["skipped"] for r in run(two_stages(tmp_path))] == [False, False]
+    assert [r["skipped"] for r in run(two_stages(tmp_path))] == [True, True]
+    assert [r["skipped"] for r in run(two_stages(tmp_path, force=["prepare"]))] == [False, False]
+    (tmp_path / "b.jsonl").write_text("edited\n")  # an output changed since its stage finished
+    assert [r["skipped"] for r in run(two_stages(tmp_path))] == [True, False]
+    marker = tmp_path / ".stages" / "regenerate.json"
+    record = json.loads(marker.read_text())
+    record["inputs"]["prepare"][str(tmp_path / "a.jsonl")] = "0" * 64  # finished on other inputs
+    marker.write_text(json.dumps(record))
+    assert [r["skipped"] for r in run(two_stages(tmp_path))] == [True, False]
+    marker.write_text("{")  # a broken record: the stage runs again
+    assert [r["skipped"] for r in run(two_stages(tmp_path))] == [True, False]
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown pipeline stages"):
         PipelineConfig(stages={"finetune": StageSpec(module="x", outputs=["y"])})

@@ -158,13 +158,59 @@ def test_sampling_is_seeded(target_cfg, tmp_path):
 
 def test_bad_lines_and_config(target_cfg, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 2)
-    (tmp_path / "o.jsonl").write_text('{"id": "x"}\nnot json\n{"id": "y"}\n')
+    record = '{"id": "x", "conversations": [], "finish_reasons": []}'
+    (tmp_path / "o.jsonl").write_text(f"{record}\nnot json\n{record}\n")
     with pytest.raises(ValueError, match=r"o.jsonl: line 2: not JSON"):
         regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl"))
     with pytest.raises(ValueError, match="turns must be one of"):
         make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl", turns="last")
     with pytest.raises(ValueError, match="set out="):
         regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", ""))
+
+
+def test_an_out_that_is_not_this_commands_output_is_refused_and_kept(target_cfg, tmp_path):
+    """16.2: out = the input (a one-line JSON array, the shape of the shared prompts file), another
+    ShareGPT file, or this command's output made with other settings: refused, the file untouched."""
+    write_prompts(tmp_path / "p.jsonl", 6)
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(records))  # one line, no newline at the end
+    before = prompts.read_bytes()
+    with pytest.raises(regen.OutputError, match="is the input data file"):
+        regen.run(make_cfg(target_cfg, prompts, prompts))
+    copy = tmp_path / "copy.json"
+    copy.write_bytes(before)
+    with pytest.raises(regen.OutputError, match=r"copy.json: the last line has no newline"):
+        regen.run(make_cfg(target_cfg, prompts, copy))
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text((tmp_path / "p.jsonl").read_text())
+    with pytest.raises(
+        regen.OutputError, match=r"dataset.jsonl: line 1: not a record written by eagle_train"
+    ):
+        regen.run(make_cfg(target_cfg, prompts, dataset))
+    assert prompts.read_bytes() == before and copy.read_bytes() == before
+    assert dataset.read_text() == (tmp_path / "p.jsonl").read_text()
+
+    out = tmp_path / "o.jsonl"
+    regen.run(make_cfg(target_cfg, prompts, out, max_new_tokens=8))
+    first = out.read_text()
+    with pytest.raises(regen.OutputError, match=r"other settings: max_new_tokens: expected 12, found 8"):
+        regen.run(make_cfg(target_cfg, prompts, out, max_new_tokens=12))
+    assert out.read_text() == first
+    again = regen.run(make_cfg(target_cfg, prompts, out, max_new_tokens=12, overwrite=True))
+    assert again["already_done"] == 0 and again["records"] == 6 and out.read_text() != first
+
+
+def test_a_planted_symlink_part_file_is_never_followed(target_cfg, tmp_path):
+    """16.11: `<out>.part0` planted as a link to another file: refused, that file untouched."""
+    write_prompts(tmp_path / "p.jsonl", 3)
+    victim = tmp_path / "victim.jsonl"
+    victim.write_text('{"id": "v1", "conversations": [], "finish_reasons": []}\n{"id": "v2", "conv')
+    before = victim.read_text()
+    (tmp_path / "o.jsonl.part0").symlink_to(victim)
+    with pytest.raises(regen.OutputError, match="symlink is never followed"):
+        regen.run(make_cfg(target_cfg, tmp_path / "p.jsonl", tmp_path / "o.jsonl"))
+    assert victim.read_text() == before
 
 
 @pytest.mark.slow

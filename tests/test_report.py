@@ -84,8 +84,52 @@ def test_write_report_files(records, tmp_path):
     assert "| tiny | chain | 2 | 5 | 2.40 | 24.0 | 2.40x | 1/2 | 0.60 | 1.00 | 0.33 |" in md
     # sanity: too few rounds and a non-identical greedy answer are both flagged
     assert any("only 5 rounds" in n for n in report["sanity"])
-    assert any("1 of 2 greedy answers differ" in n for n in report["sanity"])
+    assert any("1 of 2 greedy answers differ from ar other than at a near-tie" in n for n in report["sanity"])
     assert "WARNING" in md and "![speedup](speedup.png)" in md
+
+
+def test_near_ties_are_counted_apart_from_real_divergences(records, tmp_path):
+    """A differing greedy answer whose first differing token is a near-tie is counted as such and is no
+    lossless warning; a real divergence is; an answer whose prompt differs from ar's is not compared."""
+    chain = [r for r in records if r["method"] == "chain"]
+    chain[1]["divergence"] = {"kind": "near_tie", "index": 3, "gap": 0.0625, "ulp": 0.0625, "tokens": [5, 6]}
+    meta = {"temperature": 0.0, "near_tie_ulps": 4, "target_dtype": "bfloat16"}
+    report = write_report(records, tmp_path, meta=meta, min_rounds=2, plots=False)
+    row = next(r for r in report["results"] if r["method"] == "chain")
+    assert (row["identical"], row["near_ties"], row["divergences"]) == (1, 1, 0)
+    assert report["sanity"] == []
+    assert (
+        report["identity"][0]
+        == "tiny/chain: greedy identity: 1 identical, 1 near-tie, 0 real divergence, of 2"
+    )
+    md = (tmp_path / "report.md").read_text()
+    assert "| 1/2 (1 near-tie) |" in md and "within 4 ulps of the top logit (bfloat16)" in md
+    chain[1]["divergence"]["kind"] = "divergence"
+    report = write_report(records, tmp_path, meta=meta, min_rounds=2, plots=False)
+    assert report["sanity"] == [
+        "tiny/chain: 1 of 2 greedy answers differ from ar other than at a near-tie: the decoder is not lossless here"
+    ]
+    chain[1].update(identical=None, identity="prompt_differs")
+    del chain[1]["divergence"]
+    report = write_report(records, tmp_path, meta=meta, min_rounds=2, plots=False)
+    assert report["sanity"] == [] and "(1 more not comparable" in report["identity"][0]
+
+
+def test_a_baseline_slower_than_hf_generate_is_flagged(records, tmp_path):
+    """ar slower than HF generate (e.g. ar on sdpa, hf on flash_attention_2): the speedups are over a slow
+    baseline, and the report says so next to hf's row."""
+    hf = [dict(r, method="hf", identical=True) for r in records if r["method"] == "ar"]
+    for r in hf:
+        r["wall_s"] = r["wall_s"] / 1.5
+    report = write_report(records + hf, tmp_path, meta={"temperature": 0.0}, min_rounds=2, plots=False)
+    assert (
+        "tiny: hf (HF generate) decodes at 1.50x ar's tokens/s: the speedups over ar are over a slower "
+        "baseline than the target's fastest plain decoding; compare with hf's row"
+    ) in report["sanity"]
+    for r in hf:
+        r["wall_s"] = r["wall_s"] * 1.5  # as fast as ar: nothing to say
+    report = write_report(records + hf, tmp_path, meta={"temperature": 0.0}, min_rounds=2, plots=False)
+    assert not any("hf (HF generate)" in n for n in report["sanity"])
 
 
 def test_sanity_clean_when_numbers_hold(records, tmp_path):

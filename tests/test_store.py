@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
 
+import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
+from eagle_train.shard import ShardFile
 from eagle_train.store import (
     MANIFEST_NAME,
     STORE_CONFIG_NAME,
@@ -18,10 +23,12 @@ from eagle_train.store import (
     plan_shards,
     prepare_out_dir,
     shard_name,
+    store_hash,
     token_dtype,
     write_manifest,
     write_shard,
 )
+from tests.conftest import reseal
 
 HIDDEN = 8
 IDENTITY = {
@@ -54,10 +61,11 @@ def make_samples(lengths, vocab=512, seed=0):
 
 
 def build_store(path, samples, plan, dtype="float32", vocab=512):
-    identity = {**IDENTITY, "dtype": dtype}
+    identity = {**IDENTITY, "dtype": dtype, "target": {**IDENTITY["target"], "vocab_size": vocab}}
     prepare_out_dir(path, identity, overwrite=False)
     for k, (start, stop) in enumerate(plan):
-        write_shard(path, k, samples[start:stop], dtype, vocab, extra={"start": start, "stop": stop})
+        extra = {"start": start, "stop": stop, "store": store_hash(identity)}
+        write_shard(path, k, samples[start:stop], dtype, vocab, extra=extra)
     return write_manifest(path, identity, plan, {"seen": len(samples), "counts": {"empty": 1}}, "hash")
 
 
@@ -213,7 +221,7 @@ def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
         FeatureStore(plain, aux=True)[0]
     assert "aux_layers" not in json.loads((plain / MANIFEST_NAME).read_text())
     # the same directory re-extracted without aux layers (or with others) is another store
-    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected None, found \[1, 2, 4\]"):
+    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected '<missing>', found \[1, 2, 4\]"):
         prepare_out_dir(tmp_path, IDENTITY, overwrite=False)
     with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[0, 2, 4\], found \[1, 2, 4\]"):
         prepare_out_dir(tmp_path, {**IDENTITY, "aux_layers": [0, 2, 4]}, overwrite=False)
@@ -226,3 +234,124 @@ def test_a_manifest_naming_aux_layers_needs_aux_tensors(tmp_path):
     write_manifest(tmp_path, {**IDENTITY, "aux_layers": [1, 2, 4]}, [(0, 1)], {}, "h")
     with pytest.raises(StoreError, match="no `aux` tensor"):
         FeatureStore(tmp_path)
+
+
+# ---------------------------------------------------------------- 16.3, 16.9, 16.10, 16.11: checked reads
+
+
+def edit_tensor(path, index, name, edit):
+    """Apply `edit(numpy view)` to one tensor of a shard file in place."""
+    shard = ShardFile(path / shard_name(index))
+    begin, _ = shard.header[name]["data_offsets"]
+    data = bytearray((path / shard_name(index)).read_bytes())
+    view = np.frombuffer(data, dtype=shard.tensor_array(name).dtype, offset=shard.data_start + begin,
+                         count=shard.tensor_array(name).size)  # fmt: skip
+    view.flags.writeable = True
+    edit(view)
+    (path / shard_name(index)).write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_caught_before_the_shard_is_used(tmp_path):
+    build_store(tmp_path, make_samples([40, 40]), [(0, 1), (1, 2)])
+    shard = ShardFile(tmp_path / shard_name(1))
+    at = shard.data_start + shard.header["hidden"]["data_offsets"][0] + 16
+    data = bytearray((tmp_path / shard_name(1)).read_bytes())
+    data[at : at + 64] = b"\xff" * 64  # 64 bytes of the hidden states: NaNs
+    (tmp_path / shard_name(1)).write_bytes(bytes(data))
+    store = FeatureStore(tmp_path)  # opening reads headers only
+    assert store[0]["id"] == "s0"  # shard 0 is intact
+    with pytest.raises(StoreError, match=r"shard-00001.safetensors: its checksum \(sha256\) differs"):
+        store[1]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: edit_tensor(d, 1, "offsets", lambda v: v.__setitem__(1, 99)), "offsets must rise from 0"),
+        (lambda d: edit_tensor(d, 1, "offsets", lambda v: v.__setitem__(2, 3)), "offsets must rise from 0"),
+        (
+            lambda d: edit_tensor(d, 1, "input_ids", lambda v: v.__setitem__(0, 600)),
+            "token ids .* leave the vocabulary of 512",
+        ),
+        (lambda d: edit_tensor(d, 1, "loss_mask", lambda v: v.__setitem__(0, 7)), "loss mask holds values"),
+        (
+            lambda d: (d / shard_name(1)).write_bytes((d / shard_name(1)).read_bytes()[:-5]),
+            "its header describes",
+        ),
+        (lambda d: (d / shard_name(1)).write_bytes(b"\x01\x00"), "no safetensors header"),
+        (lambda d: (d / shard_name(1)).write_bytes(b"\xff" * 64), "header length .* runs past the end"),
+    ],
+    ids=["offsets-beyond", "offsets-decrease", "token-id", "mask", "truncated", "tiny", "header-length"],
+)
+def test_edited_shards_are_refused_even_with_matching_checksums(tmp_path, edit, message):
+    build_store(tmp_path, make_samples([3, 4, 5]), [(0, 1), (1, 3)])
+    edit(tmp_path)
+    reseal(tmp_path, 1)
+    with pytest.raises(StoreError, match=message):
+        FeatureStore(tmp_path).verify()
+
+
+def test_a_duplicated_shard_is_refused(tmp_path):
+    samples = make_samples([3, 4, 5, 6])
+    build_store(tmp_path, samples, [(0, 2), (2, 4)])
+    shutil.copy(tmp_path / shard_name(0), tmp_path / shard_name(1))  # shard 1 replaced by a copy of shard 0
+    reseal(tmp_path, 1)
+    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    manifest["shards"][1]["num_tokens"] = manifest["shards"][0]["num_tokens"]
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="sample id 's0' is in shard-00000.safetensors and shard-00001"):
+        FeatureStore(tmp_path)
+    manifest["shards"][1]["start"] = 1  # a manifest whose ranges overlap
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="shard entry 1 .* does not follow the one before"):
+        FeatureStore(tmp_path)
+
+
+def test_identical_samples_give_identical_shard_bytes(tmp_path):
+    """16.11: the bytes (and so the checksum) are a function of the samples (safetensors' own writer
+    orders its metadata at random), and the file stays loadable by safetensors itself."""
+    samples = make_samples([5, 3])
+    digests = set()
+    for k in range(6):
+        info = write_shard(tmp_path / f"s{k}", 0, samples, "bfloat16", 512, extra={"start": 0, "stop": 2})
+        digests.add(info["sha256"])
+    assert len(digests) == 1
+    with safe_open(str(tmp_path / "s0" / shard_name(0)), "pt") as f:
+        assert torch.equal(f.get_tensor("hidden")[5:], samples[1]["hidden"].to(torch.bfloat16))
+        assert json.loads(f.metadata()["ids"]) == ["s0", "s1"]
+
+
+@pytest.mark.parametrize("broken", [MANIFEST_NAME, STORE_CONFIG_NAME, "both"])
+def test_broken_metadata_is_named_and_a_rerun_repairs_it(tmp_path, broken):
+    """16.9: a truncated manifest.json names the file when read; a rerun of the extraction over broken
+    metadata rewrites it and keeps the shards."""
+    build_store(tmp_path, make_samples([2, 3]), [(0, 1), (1, 2)])
+    for name in [MANIFEST_NAME, STORE_CONFIG_NAME] if broken == "both" else [broken]:
+        (tmp_path / name).write_text('{"schema_version": 1, "shards": [')
+    if broken != STORE_CONFIG_NAME:
+        with pytest.raises(
+            StoreError, match=r"manifest.json \(feature store manifest\): not valid JSON .*line 1"
+        ):
+            FeatureStore(tmp_path)
+    prepare_out_dir(tmp_path, IDENTITY, overwrite=False)
+    assert json.loads((tmp_path / STORE_CONFIG_NAME).read_text()) == IDENTITY
+    assert (tmp_path / shard_name(1)).exists()
+
+
+def test_a_resumed_extraction_does_not_reread_verified_shards(tmp_path):
+    """16.10: completed_shard trusts a shard whose size, mtime and inode are those it was verified with
+    (a resume does not re-hash the store); any change makes it hash the file again."""
+    build_store(tmp_path, make_samples([30, 30]), [(0, 1), (1, 2)])
+    shard = tmp_path / shard_name(1)
+    stat = shard.stat()
+    with shard.open("r+b") as f:  # a change that keeps size, mtime and inode: not seen, by design
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(b"\x01" if last == b"\x00" else b"\x00")
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert completed_shard(tmp_path, 1, {"start": 1, "stop": 2}) is not None
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: hashed again, and refused
+    assert completed_shard(tmp_path, 1, {"start": 1, "stop": 2}) is None
+    with pytest.raises(StoreError, match="checksum"):
+        FeatureStore(tmp_path).verify()  # training still verifies every shard it reads

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,9 +16,13 @@ from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.entry import compose
-from eagle_train.store import StoreMismatchError
+from eagle_train.modeling.checkpoint import save_head
+from eagle_train.modeling.draft import DraftHead
+from eagle_train.shard import ShardFile
+from eagle_train.store import StoreError, StoreMismatchError, shard_name
 from eagle_train.train import run
-from tests.conftest import STORIES260K
+from eagle_train.training.optim import NonFiniteError
+from tests.conftest import STORIES260K, TINY_SHAPE, reseal
 
 
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
@@ -81,6 +86,45 @@ def test_schema_keys_need_no_plus_on_the_command_line():
 # ---------------------------------------------------------------- end to end
 
 
+def vocabulary_storages(session) -> dict[int, torch.dtype]:
+    """Distinct storages (data pointer -> dtype) of every vocabulary-sized tensor the session holds."""
+    vocab = session.lm_weight.shape[0]
+    head = session.accelerator.unwrap_model(session.model)
+    tensors = [session.lm_weight, *(p for p in head.parameters() if p.shape[0] == vocab and p.ndim == 2)]
+    return {t.untyped_storage().data_ptr(): t.dtype for t in tensors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, frozen", [("bf16", torch.bfloat16), ("no", torch.float32)])
+def test_one_frozen_copy_of_each_vocabulary_matrix_in_the_working_dtype(
+    tiny_store, tmp_path, precision, frozen
+):
+    """The frozen embedding and LM head are held once per process, in the working dtype (bf16 under bf16
+    mixed precision; at a 128k vocabulary an fp32 copy costs 2.1 GB), the loss reads the head's own LM
+    head (no second copy on the device), the trained weights stay float32, and a bf16 run trains."""
+    from accelerate.state import AcceleratorState
+
+    from eagle_train.train import fit, make_accelerator, setup
+
+    AcceleratorState._reset_state(True)
+    try:
+        cfg = make_cfg(tiny_store, tmp_path, f"mixed_precision={precision}", "max_steps=2", "log_every=1",
+                       "eval_every=0", "save_every=0")  # fmt: skip
+        session, state = setup(cfg, make_accelerator(cfg))
+        head = session.accelerator.unwrap_model(session.model)
+        assert vocabulary_storages(session) == {
+            head.embed_tokens.weight.data_ptr(): frozen,
+            head.lm_head.weight.data_ptr(): frozen,
+        }
+        assert session.lm_weight is head.lm_head.weight
+        assert all(p.dtype == torch.float32 for p in head.parameters() if p.requires_grad)
+        fit(cfg, session, state)
+        losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+        assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 @pytest.mark.slow
 def test_loss_falls_and_checkpoints_are_written(tiny_store, tmp_path):
     out = tmp_path / "run"
@@ -133,6 +177,31 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, he
 
 
 @pytest.mark.slow
+def test_epochs_run_over_each_epochs_own_plan(tiny_store, tmp_path):
+    """epochs=2 without max_steps, where the second epoch's plan has fewer micro-batches than the first
+    (unbucketed batches cut under a token budget; jittered buckets alike): the schedule's length is the
+    sum of both epochs' plans and every step has its micro-batches (the first epoch's count would run
+    the second past its end)."""
+    from accelerate import Accelerator
+
+    from eagle_train.train import epoch_plan, prepare_data
+
+    args = ("max_steps=null", "epochs=2", "log_every=1", "eval_every=0", "save_every=0", "bucket=false",
+            "max_batch_size=null", "max_tokens=700")  # fmt: skip
+    data, _ = prepare_data(make_cfg(tiny_store, tmp_path, *args), Accelerator(cpu=True))
+    for seed in range(50):  # a seed whose second epoch has fewer micro-batches than its first
+        cfg = make_cfg(tiny_store, tmp_path, *args, f"seed={seed}")
+        counts = [len(epoch_plan(cfg, data, e)) for e in range(2)]
+        if counts[1] < counts[0]:
+            break
+    assert counts[1] < counts[0]
+    run(cfg)
+    lines = [m for m in read_metrics(tmp_path) if "loss" in m]
+    assert [m["step"] for m in lines] == list(range(1, sum(counts) + 1))
+    assert lines[-1]["epoch"] == 1 and all(m["tokens_per_s"] > 0 for m in lines)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])
 def test_online_gives_the_offline_first_step_loss(request, tiny_conversations, tmp_path, head):
     store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
@@ -167,15 +236,7 @@ def test_a_store_extracted_from_a_real_other_model_is_refused(tiny_conversations
     from eagle_train.extract import run as extract
 
     model_dir = tmp_path / "tiny_qwen2"
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = Qwen2Config(**TINY_SHAPE, max_position_embeddings=512)
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(STORIES260K / name, model_dir / name)
@@ -243,3 +304,86 @@ def test_an_eagle1_head_trains_on_an_eagle3_store_exactly_as_on_its_own(tiny_sto
     run(make_cfg(tiny_store_aux, tmp_path / "aux", *args))
     plain, aux = read_metrics(tmp_path / "plain")[0], read_metrics(tmp_path / "aux")[0]
     assert (plain["loss"], plain["smooth_l1"], plain["ce"]) == (aux["loss"], aux["smooth_l1"], aux["ce"])
+
+
+# ---------------------------------------------------------------- 16.3, 16.4, 16.11: nothing silently wrong
+
+
+def copy_store(tiny_store: Path, to: Path) -> Path:
+    shutil.copytree(tiny_store, to)
+    return to
+
+
+def hidden_region(store: Path) -> tuple[int, int]:
+    """[begin, end) of shard 0's hidden states in its file."""
+    shard = ShardFile(store / shard_name(0))
+    begin, end = shard.header["hidden"]["data_offsets"]
+    return shard.data_start + begin, shard.data_start + end
+
+
+def test_a_corrupt_shard_stops_training_before_any_step(tiny_store, tmp_path):
+    """16.3: 64 flipped bytes in a shard (NaNs in the hidden states) are caught by its checksum."""
+    store = copy_store(tiny_store, tmp_path / "store")
+    begin, _ = hidden_region(store)
+    data = bytearray((store / shard_name(0)).read_bytes())
+    data[begin + 4096 : begin + 4160] = b"\xff" * 64
+    (store / shard_name(0)).write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"shard-00000.safetensors: its checksum \(sha256\) differs"):
+        run(make_cfg(store, tmp_path / "run", "max_steps=2", "save_every=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_a_non_finite_loss_stops_before_the_step_and_no_checkpoint_holds_it(tiny_store, tmp_path):
+    """16.3: features that are NaN with valid checksums (a bug upstream): the run stops at step 1 naming
+    the step and the batch, before the optimizer step, and writes no checkpoint or head."""
+    store = copy_store(tiny_store, tmp_path / "store")
+    begin, end = hidden_region(store)
+    data = bytearray((store / shard_name(0)).read_bytes())
+    data[begin:end] = np.full((end - begin) // 4, np.nan, dtype=np.float32).tobytes()
+    (store / shard_name(0)).write_bytes(bytes(data))
+    reseal(store, 0)
+    with pytest.raises(
+        NonFiniteError,
+        match=r"non-finite training loss .* at step 1 \(epoch 0, micro-batches 0\.\.0 .*samples: ",
+    ):
+        run(make_cfg(store, tmp_path / "run", "max_steps=3", "save_every=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_a_head_with_non_finite_weights_is_never_saved(target, tmp_path):
+    head = DraftHead.from_target(target.config)
+    head.layers[0].mlp.down_proj.weight.data[3] = float("inf")
+    with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj.weight holds \d+ non-finite values"):
+        save_head(head, tmp_path / "head")
+    assert not (tmp_path / "head").exists()
+
+
+def fine_tune(tmp_path: Path) -> Path:
+    """stories260K with its LM head nudged (as a fine-tune changes it): the same config, other weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES260K)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01 * torch.randn_like(model.lm_head.weight))
+    out = tmp_path / "stories260K_finetune"
+    model.save_pretrained(out)
+    for f in STORIES260K.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_store_from_a_fine_tune_of_the_same_shape_is_refused(tiny_store, tmp_path):
+    """16.4: same config hash, other weights: the fingerprint of the LM head tells them apart."""
+    with pytest.raises(
+        StoreMismatchError, match=r"target\.weights\.lm_head: expected '[0-9a-f]{16}', found"
+    ) as err:
+        run(make_cfg(tiny_store, tmp_path / "run", "max_steps=1", f"target.path={fine_tune(tmp_path)}"))
+    assert "target.config_hash" not in str(err.value)  # the configs are the same
+
+
+def test_bad_cadence_settings_fail_when_the_config_is_made(tmp_path):
+    """16.11: log_every=0 used to fail only after the model and the store had loaded."""
+    for bad in ("log_every=0", "save_every=-1", "eval_every=-5", "epochs=0"):
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            make_cfg(tmp_path / "store", tmp_path, bad)

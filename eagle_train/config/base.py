@@ -77,3 +77,28 @@ def config_hash(obj: Any, length: int = 16) -> str:
     data = asdict(obj) if is_dataclass(obj) else obj
     blob = json.dumps(data, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def mismatches(
+    expected: dict[str, Any], found: dict[str, Any], labels: tuple[str, str] = ("expected", "found")
+) -> list[str]:
+    """One line per dotted field whose value differs: 'field: expected X, found Y' (`labels` name the
+    two sides)."""
+    exp, got = flatten(expected), flatten(found)
+    return [
+        f"{key}: {labels[0]} {exp.get(key, '<missing>')!r}, {labels[1]} {got.get(key, '<missing>')!r}"
+        for key in sorted(set(exp) | set(got))
+        if exp.get(key, "<missing>") != got.get(key, "<missing>")
+    ]

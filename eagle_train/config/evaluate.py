@@ -34,6 +34,9 @@ class EvaluateConfig:
     # torch intra-op threads on the CPU (null = torch's default); a tiny target on a busy CPU runs far faster
     # with 1 (measured here under load: stories260K greedy 64 tokens 0.27 s with 1 thread, 4.2 s with 2)
     num_threads: int | None = None
+    # greedy identity: a differing answer whose first differing token has both candidates within this many
+    # ulps of the top logit (in the target's dtype) is a near-tie, not a real divergence (decoding.identity)
+    near_tie_ulps: int = 4
     plots: bool = True  # write the PNG plots
     # builtin: this project's decoder only | vllm: also run the head in a real vLLM on the same prompt token
     # ids (no speculation, and a chain of decode.chain_length tokens) and report both engines side by side
@@ -71,5 +74,5 @@ class EvaluateConfig:
             self.engine != "builtin"
         ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
-        if self.warmup < 0 or self.min_rounds < 0:
-            raise ValueError("warmup and min_rounds must be >= 0")
+        if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:
+            raise ValueError("warmup, min_rounds and near_tie_ulps must be >= 0")

@@ -17,7 +17,12 @@ class ExportConfig:
     # vllm | sglang | eagle (the SafeAILab/EAGLE reference's pytorch_model.bin layout) | speculators
     # (vLLM's self-describing packaging: target and K inside; EAGLE-3 heads only)
     format: str = "vllm"
-    out: str = ""  # output directory (written atomically, replaced if it exists)
+    # output directory, written atomically; an existing non-empty one must be an earlier export of this
+    # format (replaced whole) unless overwrite is set
+    out: str = ""
+    # write into a non-empty directory that is not an earlier export of this format: this layout's files
+    # are replaced, nothing else is deleted
+    overwrite: bool = False
     # vLLM's EAGLE fc has no bias: fold = move a trained fc bias exactly into layer 0's attention biases;
     # refuse = stop with an error (then train with draft.fc_bias=false).
     fc_bias: str = "fold"

@@ -25,6 +25,9 @@ class RegenerateConfig:
     top_p: float = 1.0  # nucleus sampling (temperature > 0 only)
     seed: int = 0  # sampling seed (per batch: seed + rank * 1_000_003 + batch number)
     progress: bool = True  # tqdm progress bar with tokens/s on the main process
+    # start `out` over when it holds another command's output (other settings, or not this stage's);
+    # `out` equal to the input is refused always
+    overwrite: bool = False
     # torch intra-op threads on CPU; null = torch's default. A small target on a busy CPU runs far faster
     # with 1 (measured: 2 threads under load were 70x slower for stories260K).
     num_threads: int | None = None

@@ -24,7 +24,11 @@ class TargetConfig:
     system_prompt: str | None = None  # default system message inserted when a conversation has none
     stop_token_ids: list[int] = field(default_factory=list)  # extra end-of-generation ids (EOS is added)
     max_len: int | None = None  # maximum sequence length; null = the model's max_position_embeddings
-    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2
+    # Longest TRAINING sequence (extraction, online training) when data.max_len is not set; null = max_len.
+    # The GPU presets set 2048 (the reference's): a 128k context would keep 10-30k-token conversations.
+    train_max_len: int | None = None
+    # eager | sdpa | flash_attention_2 (flash takes no 4-D tree mask: decoding runs sdpa, hf keeps flash)
+    attn_implementation: str = "sdpa"
     # EAGLE-3: the decoder layers whose INPUTS (low, mid, high) are the head's features, ids 0..L-1;
     # null = `default_aux_layers(L)` (the reference's 2, L//2, L-3 where those are distinct)
     aux_layers: list[int] | None = None
@@ -34,6 +38,8 @@ class TargetConfig:
             raise ValueError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_len is not None and self.max_len <= 1:
             raise ValueError(f"target.max_len must be > 1, got {self.max_len}")
+        if self.train_max_len is not None and self.train_max_len <= 1:
+            raise ValueError(f"target.train_max_len must be > 1, got {self.train_max_len}")
         if self.aux_layers is not None:
             self.aux_layers = [int(i) for i in self.aux_layers]
             if len(self.aux_layers) != NUM_AUX_LAYERS or min(self.aux_layers) < 0:

@@ -16,18 +16,26 @@ def bucket_batches(
     max_batch_size: int | None = None,
     shuffle: bool = False,
     seed: int = 0,
+    jitter: float = 0.0,
 ) -> list[list[int]]:
     """Group sample indices into batches of similar length.
 
     Indices are sorted by length and cut greedily so that a batch's padded size
     (batch_size * longest length) stays within `max_tokens` and its size within `max_batch_size`.
     A sample longer than `max_tokens` gets a batch of its own. With `shuffle`, the order of the
-    batches (never their content) is shuffled with `random.Random(seed)`.
+    batches is shuffled with `random.Random(seed)`, and with `jitter` > 0 their content too: samples
+    are sorted by length * (1 + U(0, jitter)), so samples within about that share of each other's
+    length meet in other batches for another seed (a training epoch), at a little more padding.
     """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    rng = random.Random(seed)
+    if shuffle and jitter > 0:
+        keys = [length * (1.0 + jitter * rng.random()) for length in lengths]
+        order = sorted(range(len(lengths)), key=lambda i: (keys[i], i))
+    else:
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches = cut_batches(order, lengths, max_tokens, max_batch_size)
     if shuffle:
-        random.Random(seed).shuffle(batches)
+        rng.shuffle(batches)
     return batches
 
 

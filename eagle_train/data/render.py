@@ -33,11 +33,15 @@ Policy for what is trained, in the drop/repair report like every other data poli
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
+import numpy as np
 
 from eagle_train.config.target import TargetConfig
 from eagle_train.data.reply_markers import RenderError, locate_replies
@@ -143,8 +147,21 @@ class ChatRenderer:
         """Token ids and the mask of tokens overlapping a reply segment."""
         return self.tokenize_many([segments])[0]
 
+    @functools.cached_property
+    def char_budget(self) -> int | None:
+        """The characters of text that can hold `max_len` tokens, twice over: no token is longer than the
+        vocabulary's longest entry (as written in the vocabulary, which is never shorter than its text),
+        and the factor 2 keeps the cut away from the last kept token's word. None: no length limit."""
+        if self.max_len >= NO_LIMIT:
+            return None
+        longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        return 2 * self.max_len * max(longest, 1)
+
     def tokenize_many(self, batch: list[list[Segment]]) -> list[tuple[list[int], list[int]]]:
-        """`tokenize` for many conversations with one (parallel) tokenizer call."""
+        """`tokenize` for many conversations with one (parallel) tokenizer call. Text beyond
+        `char_budget` is cut before tokenizing (it lies past max_len tokens, which `truncate` keeps), so
+        a 20 MB message costs no more than max_len tokens' worth of text."""
+        batch = [cut_to_budget(segments, self.char_budget) for segments in batch]
         if not self.tokenizer.is_fast:
             return [tokenize_by_segment(self.tokenizer, segments) for segments in batch]
         texts = ["".join(text for text, _ in segments) for segments in batch]
@@ -153,6 +170,19 @@ class ChatRenderer:
             (list(ids), overlap_mask(offsets, reply_spans(segments)))
             for ids, offsets, segments in zip(enc["input_ids"], enc["offset_mapping"], batch, strict=True)
         ]
+
+
+def cut_to_budget(segments: list[Segment], budget: int | None) -> list[Segment]:
+    """The segments cut after `budget` characters in all (None: unchanged)."""
+    if budget is None or sum(len(text) for text, _ in segments) <= budget:
+        return segments
+    out, left = [], budget
+    for text, is_reply in segments:
+        if left <= 0:
+            break
+        out.append((text[:left], is_reply))
+        left -= len(text)
+    return out
 
 
 def reply_spans(segments: list[Segment]) -> list[tuple[int, int]]:
@@ -202,43 +232,45 @@ def tokenize_by_segment(tokenizer: Tokenizer, segments: list[Segment]) -> tuple[
     return ids, mask
 
 
+def render_rows(renderer: ChatRenderer, ids: list[str], conversations: list[list[dict]]) -> dict[str, list]:
+    """Render and tokenise a batch of conversations (one tokenizer call). Columns: id, input_ids,
+    loss_mask, num_tokens, num_assistant_tokens, drop_reason ("" = kept), drop_detail, repairs."""
+    layouts, failures = [], []
+    for conversation_id, messages in zip(ids, conversations, strict=True):
+        try:
+            layouts.append(renderer.layout(messages))
+            failures.append(("", ""))
+        except RenderError as e:  # counted and skipped; named if no conversation renders
+            layouts.append(Layout([]))
+            failures.append((e.reason, f"conversation {conversation_id!r}: cannot render it: {e}"))
+    tokenized = renderer.tokenize_many([layout.segments for layout in layouts])
+    rendered = [renderer.truncate(ids_, mask) for ids_, mask in tokenized]
+    n_reply = [sum(r.loss_mask) for r in rendered]
+    return {
+        "id": list(ids),
+        "input_ids": [r.input_ids for r in rendered],
+        "loss_mask": [r.loss_mask for r in rendered],
+        "num_tokens": [len(r.input_ids) for r in rendered],
+        "num_assistant_tokens": n_reply,
+        "drop_reason": [
+            failed or drop_reason(n, r.truncated)
+            for (failed, _), n, r in zip(failures, n_reply, rendered, strict=True)
+        ],
+        "drop_detail": [detail for _, detail in failures],
+        "repairs": [",".join(layout.repairs) for layout in layouts],
+    }
+
+
 def tokenize_conversations(
     ds: datasets.Dataset, renderer: ChatRenderer, num_proc: int | None = None
 ) -> tuple[datasets.Dataset, DropReport]:
-    """Render every conversation of a Dataset (`id`, `messages`) with `datasets.map`.
+    """Render every conversation of a Dataset (`id`, `messages`) with `datasets.map` (`render_rows`).
 
     Output columns: id, input_ids, loss_mask, num_tokens, num_assistant_tokens. Dropped and counted:
     conversations the template cannot render exactly (by RenderError reason) and rows that keep no
     assistant token (`no_assistant_tokens_after_truncation` when truncation removed them, else
     `no_assistant_tokens`); repairs are counted as fixes. DataError when the template renders none.
     """
-
-    def render_rows(batch: dict[str, list]) -> dict[str, list]:
-        layouts, failures = [], []
-        for conversation_id, messages in zip(batch["id"], batch["messages"], strict=True):
-            try:
-                layouts.append(renderer.layout(messages))
-                failures.append(("", ""))
-            except RenderError as e:  # counted and skipped; named if no conversation renders
-                layouts.append(Layout([]))
-                failures.append((e.reason, f"conversation {conversation_id!r}: cannot render it: {e}"))
-        tokenized = renderer.tokenize_many([layout.segments for layout in layouts])
-        rendered = [renderer.truncate(ids, mask) for ids, mask in tokenized]
-        n_reply = [sum(r.loss_mask) for r in rendered]
-        return {
-            "id": batch["id"],
-            "input_ids": [r.input_ids for r in rendered],
-            "loss_mask": [r.loss_mask for r in rendered],
-            "num_tokens": [len(r.input_ids) for r in rendered],
-            "num_assistant_tokens": n_reply,
-            "drop_reason": [
-                failed or drop_reason(n, r.truncated)
-                for (failed, _), n, r in zip(failures, n_reply, rendered, strict=True)
-            ],
-            "drop_detail": [detail for _, detail in failures],
-            "repairs": [",".join(layout.repairs) for layout in layouts],
-        }
-
     text = datasets.Value("string")
     features = datasets.Features(
         {
@@ -253,7 +285,7 @@ def tokenize_conversations(
         }
     )
     out = ds.map(
-        render_rows,
+        lambda batch: render_rows(renderer, batch["id"], batch["messages"]),
         batched=True,
         batch_size=256,
         remove_columns=ds.column_names,
@@ -265,6 +297,34 @@ def tokenize_conversations(
     if report.total:
         out = out.filter(lambda reason: reason == "", input_columns="drop_reason")
     return out.remove_columns(["drop_reason", "drop_detail", "repairs"]), report
+
+
+def tokenize_stream(
+    conversations: Iterable[dict], renderer: ChatRenderer, report: DropReport, batch_size: int = 256
+) -> Iterator[dict[str, Any]]:
+    """`tokenize_conversations` as a stream: the kept rows {"id", "input_ids" int32 [L], "loss_mask"
+    uint8 [L]} in order, `batch_size` conversations rendered per tokenizer call (memory: one batch).
+    Drops and repairs are counted in `report` (as drops of the conversations `report` has seen); the
+    DataError for a template that renders none is raised at the end."""
+    kept, first_failure = 0, ""
+    source = iter(conversations)
+    while batch := list(itertools.islice(source, batch_size)):
+        rows = render_rows(renderer, [c["id"] for c in batch], [c["messages"] for c in batch])
+        for k, reason in enumerate(rows["drop_reason"]):
+            for kind in filter(None, rows["repairs"][k].split(",")):
+                report.fix(kind)
+            first_failure = first_failure or rows["drop_detail"][k]
+            if reason:
+                report.drop(reason)
+                continue
+            kept += 1
+            yield {
+                "id": rows["id"][k],
+                "input_ids": np.asarray(rows["input_ids"][k], dtype=np.int32),
+                "loss_mask": np.asarray(rows["loss_mask"][k], dtype=np.uint8),
+            }
+    if first_failure and not kept:
+        raise DataError(f"the chat template renders no conversation ({report.format()}); {first_failure}")
 
 
 def tokenize_report(out: datasets.Dataset) -> DropReport:

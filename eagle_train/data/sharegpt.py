@@ -24,6 +24,7 @@ Missing ids become `<file stem>_<index>`; a repeated id gets `_dup<k>` appended 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import datasets
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.data import DataConfig
-from eagle_train.data.jsonl import jsonl_records
+from eagle_train.data.jsonl import first_char, json_array_records, jsonl_records
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -122,35 +123,68 @@ def check_data_file(path: str | Path) -> Path:
     return resolved
 
 
-def iter_records(path: Path) -> Iterator[tuple[int, str, Any]]:
-    """(index, location for messages, record) for each record of a JSON array or JSONL file."""
+def iter_records(path: Path, chunk: int = 1 << 20) -> Iterator[tuple[int, str, Any]]:
+    """(index, location for messages, record) for each record of a JSON array or JSONL file, read as a
+    stream: memory holds one record at a time, whatever the file's size (a JSON array is decoded
+    element by element; a file holding one pretty-printed object is the only one read whole)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            first = first_char(f)
+            f.seek(0)
+            if first == "[":
+                for index, record in json_array_records(path, f, chunk, DataError):
+                    yield index, f"record {index}", record
+            else:
+                yield from _line_records(path, f)
     except UnicodeDecodeError as e:
         raise DataError(
-            f"{path}: not UTF-8 text (byte {e.start}): expected a ShareGPT .json or .jsonl file"
+            f"{path}: not UTF-8 text ({e.reason}): expected a ShareGPT .json or .jsonl file"
         ) from None
-    try:  # one JSON document: an array of records (or a single record); JSON Lines fail with "Extra data"
-        document = json.loads(text)
-    except json.JSONDecodeError as e:
-        if text.lstrip().startswith("["):
-            raise DataError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-        document = None
-    if document is not None:
-        for index, record in enumerate(document if isinstance(document, list) else [document]):
-            yield index, f"record {index}", record
-        return
-    for index, line_no, record in jsonl_records(path, text.splitlines(), DataError):
+
+
+def _line_records(path: Path, f) -> Iterator[tuple[int, str, Any]]:
+    """JSON Lines; a file whose first line is not JSON is tried as one document (a pretty-printed record)."""
+    lines = iter(f)
+    head = []
+    for line in lines:
+        head.append(line)
+        if line.strip():
+            break
+    try:
+        json.loads(head[-1]) if head else None
+    except (json.JSONDecodeError, RecursionError):
+        text = "".join(head) + f.read()
+        try:
+            document = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            document = None
+        if isinstance(document, dict):
+            yield 0, "record 0", document
+            return
+        head, lines = text.splitlines(keepends=True), iter(())
+    for index, line_no, record in jsonl_records(path, itertools.chain(head, lines), DataError):
         yield index, f"record {index} (line {line_no})", record
 
 
 def turn_content(value: Any) -> str | None:
     """A turn's text: a string, null, or a list of OpenAI-style `{"type": "text", "text": ...}` parts."""
     if value is None or isinstance(value, str):
-        return value
+        return value if value is None else valid_text(value)
     if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)
+        return valid_text("".join(p["text"] for p in value))
     raise TypeError(f"content must be a string, got {type(value).__name__}")
+
+
+def valid_text(text: str) -> str:
+    """`text` unchanged; TypeError for a lone surrogate (JSON allows an escaped "\\ud800", Unicode text
+    does not: it could never be written out or tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TypeError(
+            f"lone surrogate {text[e.start]!r} at character {e.start}: not valid Unicode"
+        ) from None
+    return text
 
 
 def raw_turns(record: Any) -> list[tuple[str, str | None]]:
@@ -176,7 +210,7 @@ def raw_turns(record: Any) -> list[tuple[str, str | None]]:
         if not isinstance(role, str):
             raise TypeError(f"turn {k}: role must be a string, got {type(role).__name__}")
         try:
-            out.append((role, turn_content(content)))
+            out.append((valid_text(role), turn_content(content)))
         except TypeError as e:
             raise TypeError(f"turn {k}: {e}") from None
     return out
@@ -239,30 +273,29 @@ def merge_repeated(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
-def load_sharegpt(
+def iter_conversations(
     path: str | Path,
+    report: DropReport,
     *,
     require_replies: bool = True,
     limit: int | None = None,
     leading_assistant: str = "drop_turns",
     repeated_roles: str = "merge",
-) -> tuple[datasets.Dataset, DropReport]:
-    """Load and normalise a ShareGPT file (policy in the module docstring).
+) -> Iterator[dict[str, Any]]:
+    """Stream the normalised conversations `{"id", "messages"}` of a ShareGPT file (policy in the module
+    docstring), counting drops and fixes in `report`; memory holds one record at a time.
 
-    Returns a Dataset with columns `id` (str) and `messages` (list of {"role", "content"}) and the
-    report of what was dropped or fixed. A missing, empty or malformed file, a wrong schema, or (with
-    `require_replies`) a prompt-only file raise DataError naming the file and the record.
+    A missing, empty or malformed file or a wrong schema raises DataError naming the file and the record
+    when the stream reaches it; a file without any conversation, or (with `require_replies`) a prompt-only
+    file, raises it at the end.
     """
     file = check_data_file(path)
-    report = DropReport()
-    rows: list[dict[str, Any]] = []
     ids: dict[str, int] = {}
-    any_reply = False
+    kept, any_reply = 0, False
     for index, where, record in iter_records(file):
-        if limit is not None and len(rows) >= limit:
-            break
-        record_id = str(record["id"]) if isinstance(record, dict) and record.get("id") is not None else None
+        record_id = record.get("id") if isinstance(record, dict) else None
         try:
+            record_id = None if record_id is None else valid_text(str(record_id))
             turns = raw_turns(record)
         except (TypeError, KeyError) as e:
             name = f"{where}, id {record_id!r}" if record_id is not None else where
@@ -278,11 +311,41 @@ def load_sharegpt(
         )
         if messages is None:
             continue
-        rows.append({"id": unique_id(record_id or f"{file.stem}_{index}", ids, report), "messages": messages})
+        kept += 1
+        yield {"id": unique_id(record_id or f"{file.stem}_{index}", ids, report), "messages": messages}
+        if limit is not None and kept >= limit:
+            break  # read no further
     if report.seen == 0:
         raise DataError(f"{file}: file is empty (no conversation records)")
     if require_replies and not any_reply:
         raise DataError(f"{file}: {REGENERATE_HINT}")
+
+
+def load_sharegpt(
+    path: str | Path,
+    *,
+    require_replies: bool = True,
+    limit: int | None = None,
+    leading_assistant: str = "drop_turns",
+    repeated_roles: str = "merge",
+) -> tuple[datasets.Dataset, DropReport]:
+    """Load and normalise a whole ShareGPT file (`iter_conversations` collected).
+
+    Returns a Dataset with columns `id` (str) and `messages` (list of {"role", "content"}) and the
+    report of what was dropped or fixed. A missing, empty or malformed file, a wrong schema, or (with
+    `require_replies`) a prompt-only file raise DataError naming the file and the record.
+    """
+    report = DropReport()
+    rows = list(
+        iter_conversations(
+            path,
+            report,
+            require_replies=require_replies,
+            limit=limit,
+            leading_assistant=leading_assistant,
+            repeated_roles=repeated_roles,
+        )
+    )
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -300,6 +363,17 @@ def load_conversations(
     return load_sharegpt(
         cfg.path,
         require_replies=require_replies,
+        limit=cfg.limit,
+        leading_assistant=cfg.leading_assistant,
+        repeated_roles=cfg.repeated_roles,
+    )
+
+
+def stream_conversations(cfg: DataConfig, report: DropReport) -> Iterator[dict[str, Any]]:
+    """`iter_conversations` with the config's path, limit and policies."""
+    return iter_conversations(
+        cfg.path,
+        report,
         limit=cfg.limit,
         leading_assistant=cfg.leading_assistant,
         repeated_roles=cfg.repeated_roles,

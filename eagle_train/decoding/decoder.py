@@ -17,7 +17,8 @@ or `Eagle3Head`: it reads the target's aux features, which `decode` returns for 
 drafts over a reduced vocabulary, its ids mapped to target ids through `vocab_map`; None for `ar`).
 Methods: `ar` plain decoding in this harness (same cache code, one target forward per
 token), `chain`, `eagle1` (the static tree `cfg.tree_paths`), `eagle2` (dynamic tree). The method is
-chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token;
+chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token (in float32;
+below it, up to near-ties: `decoding.identity`);
 temperature > 0: lossless rejection sampling (`decoding.verify`), the output is distributed as the
 target's. Hugging Face `generate`, the second baseline, lives outside this pure decoder
 (`eagle_train.modeling.hf_generate`).
@@ -147,6 +148,7 @@ class SpeculativeDecoder:
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
+        self.min_room = 1  # draft positions a round needs before the context limit
         if cfg.method in ("chain", "eagle1"):
             paths = chain_paths(cfg.chain_length) if cfg.method == "chain" else cfg.tree_paths
             self.shape = shape_from_paths(paths)
@@ -156,6 +158,7 @@ class SpeculativeDecoder:
         elif cfg.method == "eagle2":
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
             self._expand = self._expand_dynamic
+            self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
 
@@ -211,7 +214,7 @@ class SpeculativeDecoder:
                     root_logp = drafter.catch_up(
                         torch.tensor(done.emitted, device=self.device), done.features
                     )
-            self._run_ar(root, out)  # no room left for a draft token: finish plainly
+            self._run_ar(root, out)  # no room left for the method's smallest tree: finish plainly
         finally:
             record_rounds(rounds, stats)
 
@@ -219,9 +222,10 @@ class SpeculativeDecoder:
         self, root: int, root_logp: torch.Tensor, drafter: Drafter, watch: Stopwatch
     ) -> Round | None:
         """One speculative round: draft a tree below `root` (no deeper than the context allows), verify
-        every node with one target forward, keep the accepted path. None when no draft token fits."""
+        every node with one target forward, keep the accepted path. None when the method's smallest tree
+        does not fit (the caller then finishes plainly)."""
         room = self.max_len - 1 - self.cache.seq_len  # draft positions left before the context limit
-        if room < 1:
+        if room < self.min_room:
             return None
         with watch("time_draft"):
             tree = self._expand(root, root_logp, drafter, room)

@@ -206,7 +206,10 @@ def expand_dynamic(
     Fixed-shape tensor ops only (k = top_k inputs fed per depth, k * k candidates per depth, index
     tables built once per shape): no Python loop over nodes and no host sync. `ancestors` holds each
     fed input's fed ancestors and itself (the draft step's mask); its last two rows (the root as a
-    parent, no parent) are empty."""
+    parent, no parent) are empty. depth >= 1 (at depth 0 the root's feed index would collide with the
+    first fed input's: the decoder finishes plainly instead)."""
+    if depth < 1:
+        raise ValueError(f"expand_dynamic needs depth >= 1 (a tree of depth + 1 levels), got {depth}")
     device = root_log_probs.device
     k = min(top_k, root_log_probs.shape[-1])
     plan = _dynamic_plan(depth, k, total_tokens, device)

@@ -108,6 +108,8 @@ class LeanDraft:
         self.eps = float(cfg.rms_norm_eps)
         self.embed, self.fc, self.fc_bias = head.embed_tokens.weight, head.fc.weight, head.fc.bias
         self.lm_head = head.lm_head.weight
+        transform = getattr(head, "logit_transform", None)  # the target's output processing
+        self.logit_transform = None if transform is None or transform.identity else transform
         self.layers = self._layers(head)
         self.rotary_emb = head.rotary_emb
         self.cos = self.sin = torch.empty(0)
@@ -184,8 +186,11 @@ class LeanDraft:
         return x
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft log-probabilities [..., vocab] through the target's LM head."""
-        return torch.log_softmax(F.linear(hidden, self.lm_head).float(), dim=-1)
+        """Draft log-probabilities [..., vocab] through the target's LM head and output processing."""
+        logits = F.linear(hidden, self.lm_head)
+        if self.logit_transform is not None:
+            logits = self.logit_transform(logits)
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 class LeanEagle3(LeanDraft):

@@ -10,14 +10,16 @@ the target it was trained for, fc bias, training max length. Writes are atomic.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle_train.files import atomic_write_dir
+from eagle_train.files import atomic_write_dir, read_json
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import (
     EAGLE3_FIELDS,
@@ -42,13 +44,29 @@ def head_config_dict(head: DraftHead | Eagle3Head, meta: dict[str, Any] | None =
     return config
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None:
+    """ValueError naming the first tensor with a NaN or an infinity: a head like that is never written
+    or loaded (it would only produce garbage drafts)."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(
+                f"{where}: {name} holds {bad} non-finite values (NaN or inf): refusing this head"
+            )
+
+
 def save_head(head: DraftHead | Eagle3Head, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
-    """Atomically write the head's weights and config to `out_dir`."""
+    """Atomically write the head's weights and config to `out_dir`; ValueError for non-finite weights
+    (nothing is written), OSError when the write fails (a full disk)."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.trainable_state_dict().items()}
+    check_finite(tensors, out_dir)
     config = head_config_dict(head, meta)
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        except SafetensorError as err:  # an I/O error from safetensors' Rust writer
+            raise OSError(f"{tmp / WEIGHTS_NAME}: {err}") from err
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     atomic_write_dir(Path(out_dir), write)
@@ -60,14 +78,14 @@ def load_head(
 ) -> tuple[DraftHead | Eagle3Head, dict[str, Any]]:
     """Load a head written by `save_head`. Returns (head without the shared weights filled, meta).
 
-    Call `head.share_target_weights(target.embed_tokens, target.lm_head)` before use.
+    Call `head.share_target_weights(target)` before use.
     """
     path = Path(path)
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
-    raw = json.loads(config_file.read_text())
+    raw = read_json(config_file, "draft head config")
     eagle3 = is_eagle3_config(raw)
     meta = raw.pop("eagle_train", {})
     dropped = ("architectures", "model_type", *(EAGLE3_FIELDS if eagle3 else ()))
@@ -77,6 +95,7 @@ def load_head(
     else:
         head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)))
     state = load_file(str(weights_file))
+    check_finite(state, weights_file)
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if k in head.trainable_state_dict()]
     if missing or unexpected:

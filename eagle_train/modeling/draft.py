@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from eagle_train.kv_cache import attention_shape
+from eagle_train.logits import LogitTransform
 from eagle_train.unroll import DiagonalCache
 
 # Fields of a target config that shape the draft's Llama layer.
@@ -45,6 +46,14 @@ _LLAMA_FIELDS = (
     "eos_token_id",
     "pad_token_id",
 )
+
+
+class SharedTarget(Protocol):
+    """What a head takes from its target (eagle_train.modeling.target.Target provides it)."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+    logit_transform: LogitTransform
 
 
 class KVCache(Protocol):
@@ -151,6 +160,7 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         self.embed_tokens.requires_grad_(False)
         self.lm_head.requires_grad_(False)
+        self.logit_transform = LogitTransform()  # the target's output processing (share_target_weights)
 
     @classmethod
     def from_target(
@@ -159,10 +169,12 @@ class DraftHead(nn.Module):
         return cls(draft_llama_config(target_config, num_layers), fc_bias=fc_bias)
 
     @torch.no_grad()
-    def share_target_weights(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
-        """Copy the target's embedding and LM head into the frozen slots."""
-        self.embed_tokens.weight.copy_(embed_tokens.weight.to(self.embed_tokens.weight.dtype))
-        self.lm_head.weight.copy_(lm_head.weight.to(self.lm_head.weight.dtype))
+    def share_target_weights(self, target: SharedTarget) -> None:
+        """Copy the target's embedding and LM head into the frozen slots (in their current dtype) and take
+        its output processing, so the draft's distribution is formed as the target's is."""
+        self.embed_tokens.weight.copy_(target.embed_tokens.weight.to(self.embed_tokens.weight.dtype))
+        self.lm_head.weight.copy_(target.lm_head.weight.to(self.lm_head.weight.dtype))
+        self.logit_transform = target.logit_transform
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own weights in the serving key layout (no embedding, no LM head, no RoPE buffers)."""
@@ -186,8 +198,9 @@ class DraftHead(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the target's LM head: [..., hidden] -> [..., vocab]."""
-        return self.lm_head(hidden)
+        """Draft logits through the target's LM head and output processing: [..., hidden] -> [..., vocab]
+        (in the LM head's dtype, which may be the working bf16 while the trained weights are float32)."""
+        return self.logit_transform(self.lm_head(hidden.to(self.lm_head.weight.dtype)))
 
     # The head protocol the decoder, the metrics and the trainer read (eagle_train.modeling.eagle3 too):
     kind = "eagle1"

@@ -116,9 +116,10 @@ class Eagle3Head(nn.Module):
         return draft_ids(self.d2t)
 
     @torch.no_grad()
-    def share_target_weights(self, embed_tokens: nn.Embedding, lm_head: nn.Linear | None = None) -> None:
-        """Copy the target's embedding into the frozen slot (the LM head is the draft's own)."""
-        self.embed_tokens.weight.copy_(embed_tokens.weight.to(self.embed_tokens.weight.dtype))
+    def share_target_weights(self, target) -> None:
+        """Copy the target's embedding (`target.embed_tokens`) into the frozen slot, in its current dtype
+        (the LM head is the draft's own, and so is its distribution: no target output processing)."""
+        self.embed_tokens.weight.copy_(target.embed_tokens.weight.to(self.embed_tokens.weight.dtype))
 
     @torch.no_grad()
     def set_vocabulary(self, t2d: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> None:

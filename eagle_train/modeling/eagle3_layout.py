@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from eagle_train.config.target import reference_aux_layers, resolve_aux_layers
-from eagle_train.files import atomic_write_dir
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from eagle_train.modeling.eagle3 import (
     EAGLE3_FIELDS,
@@ -115,17 +115,17 @@ def export_config(head: Eagle3Head, fmt: str, llama: dict[str, Any], info: dict[
     }
 
 
-def write_eagle3(
+def eagle3_writer(
     head: Eagle3Head,
     fmt: str,
-    out_dir: Path,
     llama: dict[str, Any],
     info: dict[str, Any],
     dtype: torch.dtype,
     embed_tokens: torch.Tensor | None,
     speculative_tokens: int,
-) -> Path:
-    """Atomically write an EAGLE-3 head in layout `fmt` (vllm | sglang | eagle | speculators)."""
+) -> Callable[[Path], None]:
+    """`write(dir)`: writes an EAGLE-3 head's files in layout `fmt` (vllm | sglang | eagle | speculators)
+    into a directory; `interop.export_head` publishes them atomically."""
     check_exportable(head, fmt)
     state = serving_state(head, dtype)
     if fmt == "speculators":
@@ -146,8 +146,7 @@ def write_eagle3(
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    atomic_write_dir(out_dir, write)
-    return out_dir
+    return write
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -234,7 +233,7 @@ def load_eagle3(
     missing = [k for k in missing if k in head.trainable_state_dict()]
     if missing or unexpected:
         raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
-    head.share_target_weights(target.embed_tokens)
+    head.share_target_weights(target)
     if embed is not None:  # shipped with the head: what vLLM and the reference use too
         with torch.no_grad():
             head.embed_tokens.weight.copy_(embed.float())

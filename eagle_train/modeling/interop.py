@@ -22,12 +22,17 @@ No layout has `layers.0.input_layernorm` or `lm_head`. Every config.json gets an
 with the target's id and the training maximum length, so a server or a user can warn beyond it.
 EAGLE-3 heads (their own layouts, and the `speculators` one) are written and read by
 `eagle_train.modeling.eagle3_layout`; `export_head` and `load_draft` hand them over.
+
+Export never deletes what it did not write: an output directory that exists and is not empty must be an
+earlier export of the same format (then it is replaced whole, atomically), or `overwrite=True` writes this
+layout's files into it and removes nothing but an earlier export's own weights.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +41,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eagle_train.files import atomic_write_dir
+from eagle_train.files import atomic_write_dir, atomic_write_into, read_json
 from eagle_train.kv_cache import attention_shape
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_finite
 from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,12 @@ CONFIG_FIELDS = (
     "mlp_bias",
 )
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+LAYOUT_FILES = {
+    "vllm": (CONFIG_NAME, WEIGHTS_NAME),
+    "sglang": (CONFIG_NAME, WEIGHTS_NAME),
+    "eagle": (CONFIG_NAME, BIN_NAME),
+    "speculators": (CONFIG_NAME, WEIGHTS_NAME),
+}
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -177,18 +188,23 @@ def export_head(
     dtype: torch.dtype | None = None,
     fold_bias: bool = True,
     speculative_tokens: int = 3,  # format=speculators: K, the draft tokens vLLM proposes per step
+    overwrite: bool = False,
 ) -> Path:
     """Atomically write `head` to `out_dir` in the layout `fmt` (vllm | sglang | eagle | speculators) loads.
 
     vllm: a trained fc bias is folded into layer 0 (`fold_bias=True`) or refused. eagle: needs the
     target's input embedding (the reference loads it strictly from the head's file). speculators:
-    EAGLE-3 heads only (the format has no EAGLE-1 type).
+    EAGLE-3 heads only (the format has no EAGLE-1 type). An existing non-empty `out_dir` is refused
+    unless it is an earlier `fmt` export or `overwrite` is set (`check_export_dir`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    out_dir = Path(out_dir)
+    replace_whole = check_export_dir(out_dir, fmt, overwrite)
+    check_finite(head.trainable_state_dict(), "export")
     dtype = dtype or head.fc.weight.dtype
     if head.kind == "eagle3":
-        from eagle_train.modeling.eagle3_layout import write_eagle3  # it builds on this module's helpers
+        from eagle_train.modeling.eagle3_layout import eagle3_writer  # it builds on this module's helpers
 
         llama = llama_config_dict(head, dtype)
         info = {**(meta or {}), "format": fmt, "fc_bias": False}
@@ -196,7 +212,8 @@ def export_head(
             llama = reference_config(llama, False)
         if fmt == "sglang":
             check_sglang_representable(llama)
-        return write_eagle3(head, fmt, Path(out_dir), llama, info, dtype, embed_tokens, speculative_tokens)
+        write = eagle3_writer(head, fmt, llama, info, dtype, embed_tokens, speculative_tokens)
+        return publish_export(out_dir, fmt, write, replace_whole)
     if fmt == "speculators":
         raise ValueError("format=speculators has no EAGLE-1 head type; export with format=vllm")
     state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in head.trainable_state_dict().items()}
@@ -240,8 +257,51 @@ def export_head(
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    atomic_write_dir(Path(out_dir), write)
-    return Path(out_dir)
+    return publish_export(out_dir, fmt, write, replace_whole)
+
+
+def publish_export(out_dir: Path, fmt: str, write: Callable[[Path], None], replace_whole: bool) -> Path:
+    """`write(dir)`'s files at `out_dir`, atomically: the whole directory replaced (`replace_whole`), or
+    written into it, removing only an earlier export's own weights (`check_export_dir` decided which)."""
+    if replace_whole:
+        atomic_write_dir(out_dir, write)
+        return out_dir
+    earlier = exported_format(out_dir)
+    atomic_write_into(out_dir, write)
+    for name in set(LAYOUT_FILES.get(earlier, ())) - set(LAYOUT_FILES[fmt]):  # an earlier export's weights
+        (out_dir / name).unlink(missing_ok=True)
+    return out_dir
+
+
+def exported_format(out_dir: Path) -> str | None:
+    """The format an earlier export recorded in `out_dir/config.json`, or None (not one of ours)."""
+    try:
+        info = read_json(out_dir / CONFIG_NAME).get("eagle_train", {})
+    except (ValueError, AttributeError):
+        return None
+    fmt = info.get("format") if isinstance(info, dict) else None
+    return fmt if fmt in FORMATS else None
+
+
+def check_export_dir(out_dir: Path, fmt: str, overwrite: bool) -> bool:
+    """Whether `out_dir` can be replaced whole: it does not exist, or holds exactly an earlier `fmt`
+    export. An empty directory, or any directory with `overwrite`, is written into (False). Anything
+    else is refused: export never deletes files it did not write."""
+    if not out_dir.exists():
+        return True
+    if not out_dir.is_dir():
+        raise FileExistsError(f"export: {out_dir} exists and is not a directory")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if entries and set(entries) <= set(LAYOUT_FILES[fmt]) and exported_format(out_dir) == fmt:
+        return True
+    if not entries or overwrite:
+        return False
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise FileExistsError(
+        f"export: {out_dir} is not empty and is not an earlier format={fmt} export (it holds {shown}); "
+        f"choose a new or empty directory, or pass overwrite=true, which writes "
+        f"{' and '.join(LAYOUT_FILES[fmt])} there and deletes nothing else"
+    )
 
 
 def load_input_embedding(source: str | Path) -> torch.Tensor:
@@ -345,11 +405,28 @@ def recorded_target(meta: dict[str, Any]) -> tuple[str | None, str | None]:
     return target, meta.get("target_source")
 
 
-def warn_other_target(raw_config: dict[str, Any], target, path: Path) -> None:
-    """A warning when the head's config records another target than the one it is loaded for."""
-    trained_for, _ = recorded_target(raw_config.get("eagle_train", {}))
+def other_target(meta: dict[str, Any], target) -> str | None:
+    """Why a head's meta says it was trained for another target than `target` (its name, or the weight
+    fingerprint of the embedding and LM head: a fine-tune of the same shape), or None."""
+    trained_for, _ = recorded_target(meta)
+    recorded = meta.get("target", {}).get("weights") if isinstance(meta.get("target"), dict) else None
+    recorded = recorded or meta.get("target_weights")
+    if recorded and recorded != target.weight_fingerprint:
+        return (
+            f"it was trained for a target with other weights (embedding / LM head fingerprint {recorded}, "
+            f"this target's {target.weight_fingerprint}): expect a lower acceptance; the output is still "
+            "the target's own"
+        )
     if trained_for and trained_for != target.cfg.name:
-        log.warning("draft head %s was trained for %r, loading it for %r", path, trained_for, target.cfg.name)
+        return f"it was trained for {trained_for!r}, not {target.cfg.name!r}"
+    return None
+
+
+def warn_other_target(path: Path, meta: dict[str, Any], target) -> None:
+    """Log loudly when a head is loaded for another target than the one it was trained for."""
+    why = other_target(meta, target)
+    if why:
+        log.warning("draft head %s: %s", path, why)
 
 
 def load_draft(path: str | Path, target, device: torch.device | str | None = None):
@@ -374,13 +451,15 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     from eagle_train.modeling.eagle3_layout import flat_config, is_eagle3, load_eagle3
 
     if is_eagle3(raw_config, raw_state):
+        check_finite(raw_state, file)
         head = load_eagle3(raw_config, raw_state, file, target, head_config(flat_config(raw_config)))
-        warn_other_target(raw_config, target, path)
+        warn_other_target(path, raw_config.get("eagle_train", {}), target)
         return head.to(device or target.device, target.dtype).eval()
     state = head_state(raw_state, file)
     config = head_config(raw_config, state)
     check_matches_target(config, state, target, file)
-    warn_other_target(raw_config, target, path)
+    check_finite(state, file)
+    warn_other_target(path, raw_config.get("eagle_train", {}), target)
     head = DraftHead(config, fc_bias="fc.bias" in state)
     try:
         missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
@@ -389,5 +468,5 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     missing = [k for k in missing if k.startswith(("fc.", "layers."))]
     if missing or unexpected:
         raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.to(device or target.device, target.dtype).eval()

@@ -17,8 +17,12 @@ through `HFCacheView`, which speaks the `Cache.update(key, value, layer_idx)` ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import inspect
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +39,15 @@ from transformers import (
 from eagle_train.config.base import resolve_path
 from eagle_train.config.target import TargetConfig, resolve_aux_layers
 from eagle_train.kv_cache import StaticKVCache, attention_shape
+from eagle_train.logits import LogitTransform
 
+log = logging.getLogger(__name__)
+# Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
+# its ancestors). flash_attention_2 reads a 4-D mask as a 2-D padding mask; the rest are not checked.
+DECODE_ATTENTION = ("eager", "sdpa")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config fields of the logit processing a ForCausalLM applies after its LM head (see eagle_train.logits).
+LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -46,10 +57,59 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
 def target_source(cfg: TargetConfig) -> str:
-    """The path or hub id the target is loaded from (a relative local path is resolved)."""
+    """The path or hub id the target is loaded from (a relative local path is resolved). A path that
+    cannot be a hub id (`org/name`) and does not exist is a FileNotFoundError naming target.path,
+    rather than a hub error about a repository name."""
     local = resolve_path(cfg.path)
-    return str(local) if local is not None and Path(local).exists() else cfg.path
+    if local is not None and Path(local).exists():
+        return str(local)
+    if not cfg.path or not HUB_ID.match(cfg.path) or cfg.path.startswith((".", "~")):
+        raise FileNotFoundError(
+            f"target.path={cfg.path!r}: no such directory (a local model directory or a hub id like "
+            "org/name is expected)"
+        )
+    return cfg.path
+
+
+def logit_transform(config) -> LogitTransform:
+    """The model's processing of its LM head's output, read from its (text) config: the one place.
+    softcap = final_logit_softcapping (Gemma-2/3); scale = 1 / logits_scaling (Granite, MiniCPM3),
+    logit_scale (Cohere) or lm_head_multiplier (Falcon-H1). `check_output_logits` checks it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    field = lambda name: getattr(text, name, None)  # noqa: E731
+    scale = 1.0
+    if field("logits_scaling"):
+        scale /= float(field("logits_scaling"))
+    for name in ("logit_scale", "lm_head_multiplier"):
+        if field(name) is not None:
+            scale *= float(field(name))
+    softcap = field("final_logit_softcapping")
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+@torch.no_grad()
+def check_output_logits(model: PreTrainedModel, transform: LogitTransform, length: int = 8) -> None:
+    """Refuse a model whose own logits are not `transform(lm_head(last hidden state))` on a short probe:
+    its forward processes them in a way this adapter does not know, so verification, extraction's soft
+    targets and training would all use another distribution than the model's."""
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    ids = (torch.arange(length, device=model.device) * 7 + 3) % vocab
+    out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    ours = transform(model.get_output_embeddings()(out.hidden_states[-1])).float()
+    theirs = out.logits.float()
+    gap = float((ours - theirs).abs().max())
+    # the same ops on the same inputs: equal up to a few units of the logits' rounding
+    if gap > 4 * torch.finfo(out.logits.dtype).eps * (1.0 + float(theirs.abs().max())):
+        fields = {k: getattr(model.config.get_text_config(), k, None) for k in LOGIT_FIELDS}
+        raise ValueError(
+            f"{model.config.model_type}: the model's logits are not {transform} applied to lm_head(last hidden "
+            f"state) (max difference {gap:.4g}); its forward post-processes them in a way eagle-train does "
+            f"not reproduce (config fields {fields}), so this target is not supported"
+        )
 
 
 @dataclass
@@ -88,9 +148,19 @@ class Target:
         return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
 
     def length_limit(self, requested: int | None = None) -> int:
-        """The longest sequence a stage uses: `requested` (data.max_len) when given, never beyond
-        `max_len`. The one home of this rule (extraction, online training, regeneration)."""
-        return min(requested or self.max_len, self.max_len)
+        """The longest training sequence: `requested` (data.max_len) when given, else the preset's
+        `train_max_len`, else `max_len`; never beyond `max_len`. The one home of this rule (extraction,
+        online training, regeneration)."""
+        return min(requested or self.cfg.train_max_len or self.max_len, self.max_len)
+
+    @functools.cached_property
+    def logit_transform(self) -> LogitTransform:
+        """The model's own processing of its LM head's output (eagle_train.logits)."""
+        return logit_transform(self.model.config)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits from last hidden states: its output processing applied to lm_head(hidden)."""
+        return self.logit_transform(self.lm_head(hidden))
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +178,17 @@ class Target:
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
+
+    @functools.cached_property
+    def weight_fingerprint(self) -> dict[str, str]:
+        """sha256 (16 hex digits) of the input embedding and the LM head: two models with one config
+        shape (a base model and its fine-tune) differ here. The weights are rounded to bfloat16 first,
+        so a float32 and a bfloat16 load of one checkpoint agree. A second or two for an 8B model."""
+        out = {}
+        for name, weight in (("embed_tokens", self.embed_tokens.weight), ("lm_head", self.lm_head.weight)):
+            data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
+            out[name] = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
+        return out
 
     @property
     def decoder(self) -> nn.Module:
@@ -135,12 +216,18 @@ class Target:
 
         input_ids, attention_mask: [batch, seq]. Returns (logits [batch, seq, vocab],
         hidden [batch, seq, hidden]) where hidden is the last hidden state after the final norm,
-        i.e. logits == lm_head(hidden).
+        i.e. logits == the model's own logits (its output processing applied to lm_head(hidden)).
         """
         hidden = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
-        return self.lm_head(hidden), hidden
+        return self.logits(hidden), hidden
+
+    @torch.no_grad()
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """The model's logits [vocab] for the token after `ids` (one forward)."""
+        logits, _ = self.features(torch.tensor([ids], device=self.device))
+        return logits[0, -1]
 
     @torch.no_grad()
     def hidden_states(
@@ -161,6 +248,29 @@ class Target:
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True
         )
         return out.last_hidden_state, select_layers(out.hidden_states, layers)
+
+    @property
+    def attention(self) -> str:
+        """The model's own attention implementation (its decoder's: a composite model's text model)."""
+        return self.decoder.config._attn_implementation
+
+    @functools.cached_property
+    def decode_attention(self) -> str:
+        """The attention implementation of decode-time forwards (`decode`: tree verification, and `ar`, the
+        same cache code): the model's own when it takes a 4-D mask (eager, sdpa), else sdpa (eager for a
+        model without sdpa). Extraction, online training and HF `generate` keep the model's own."""
+        own = self.attention
+        if own in DECODE_ATTENTION:
+            return own
+        fallback = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
+        log.warning(
+            "attn_implementation=%s cannot take a tree's 4-D attention mask: decode-time forwards (tree "
+            "verification and the ar baseline) run %s; HF generate (method hf) keeps %s",
+            own,
+            fallback,
+            own,
+        )
+        return fallback
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         """A preallocated KV cache for one sequence of up to `capacity` tokens."""
@@ -188,24 +298,26 @@ class Target:
         the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
         Returns (logits [1, q, vocab], features): the last hidden state [1, q, hidden] (EAGLE-1's f,
         after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3)."""
-        if self.model.config._attn_implementation == "eager":
+        attention = self.decode_attention
+        if attention == "eager":
             zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
             attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
         decoder, cache_kwarg, lm_head = self._decode_modules
         kwargs = {cache_kwarg: HFCacheView(cache)}
         if aux_layers is not None:
             kwargs["output_hidden_states"] = True
-        out = decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **kwargs,
-        )
-        logits = lm_head(out.last_hidden_state)
-        return logits, out.last_hidden_state if aux_layers is None else select_layers(
-            out.hidden_states, aux_layers
-        )
+        with attention_implementation(decoder.config, attention):
+            out = decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                **kwargs,
+            )
+        hidden = out.last_hidden_state
+        logits = lm_head(hidden)
+        logits = logits if self.logit_transform.identity else self.logit_transform(logits)
+        return logits, hidden if aux_layers is None else select_layers(out.hidden_states, aux_layers)
 
     @functools.cached_property
     def _decode_modules(self) -> tuple[nn.Module, str, nn.Module]:
@@ -219,6 +331,21 @@ def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) ->
     """Hugging Face's `hidden_states` (index i < L: the input of layer i) -> the chosen inputs
     concatenated along the hidden axis [batch, seq, len(layers) * hidden]."""
     return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+@contextlib.contextmanager
+def attention_implementation(config, implementation: str):
+    """Run the model's forwards with another attention implementation (config and sub-configs), then
+    restore its own. Attention layers read the implementation from the config at each forward."""
+    own = config._attn_implementation
+    if own == implementation:
+        yield
+        return
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
 
 
 class HFCacheView:
@@ -270,5 +397,6 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    check_output_logits(model, logit_transform(model.config))
     tokenizer = load_tokenizer(cfg)
     return Target(model=model, tokenizer=tokenizer, cfg=cfg, source=source)

@@ -53,15 +53,19 @@ def plan_epoch(
     max_batch_size: int | None,
     bucket: bool,
     seed: int,
+    jitter: float = 0.0,
 ) -> list[list[int]]:
     """One epoch's micro-batches (sample indices) under a padded-token budget.
 
-    bucket: similar lengths together (eagle_train.data.batching), batch order shuffled.
+    bucket: similar lengths together (eagle_train.data.batching), batch order shuffled; with `jitter`
+    (a share of the length) the batches' content changes with the seed too, i.e. every epoch.
     Otherwise: samples shuffled, then cut greedily in that order under the same budget.
     """
     sub_lengths = [lengths[i] for i in indices]
     if bucket:
-        local = bucket_batches(sub_lengths, max_tokens, max_batch_size, shuffle=True, seed=seed)
+        local = bucket_batches(
+            sub_lengths, max_tokens, max_batch_size, shuffle=True, seed=seed, jitter=jitter
+        )
     else:
         order = list(range(len(indices)))
         random.Random(seed).shuffle(order)

@@ -16,6 +16,7 @@ from eagle_train.config.draft import DraftConfig
 from eagle_train.modeling.checkpoint import load_head
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import Eagle3Head
+from eagle_train.modeling.interop import warn_other_target
 from eagle_train.modeling.target import Target
 from eagle_train.training.data import Source
 from eagle_train.vocab import count_assistant_tokens, default_draft_vocab_size, top_tokens
@@ -38,11 +39,22 @@ def fresh_head(cfg: DraftConfig, target: Target, source: Source, train: Sequence
     return head
 
 
-def build_head(cfg: DraftConfig, target: Target, source: Source, train: Sequence[int], seed: int):
+def build_head(
+    cfg: DraftConfig,
+    target: Target,
+    source: Source,
+    train: Sequence[int],
+    seed: int,
+    frozen_dtype: torch.dtype = torch.float32,
+):
     """A fresh head or the one at draft.path (its type and vocabulary kept), sharing the target's frozen
-    embedding (EAGLE-1: and LM head), in fp32."""
+    embedding (EAGLE-1: and LM head).
+
+    The trained weights are float32 (mixed precision keeps fp32 masters); the frozen vocabulary-sized
+    matrices are held once, in the working dtype (`frozen_dtype`: bf16 under bf16 mixed precision): at
+    a 128k vocabulary an fp32 copy of each costs 2.1 GB per process."""
     if cfg.path:
-        head, _ = load_head(resolve_path(cfg.path))
+        head, meta = load_head(resolve_path(cfg.path))
         if head.kind != cfg.type:
             raise ValueError(f"draft.path {cfg.path} is an {head.kind} head, but draft.type={cfg.type}")
         if head.kind == "eagle3" and head.aux_layers != target.aux_layers:
@@ -50,7 +62,12 @@ def build_head(cfg: DraftConfig, target: Target, source: Source, train: Sequence
                 f"draft.path {cfg.path} reads target layers {head.aux_layers}, target.aux_layers "
                 f"resolves to {target.aux_layers}: set target.aux_layers={head.aux_layers}"
             )
+        warn_other_target(resolve_path(cfg.path), meta, target)  # initial weights for another target
     else:
         head = fresh_head(cfg, target, source, train, seed)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
-    return head.float()
+    head.float()
+    head.embed_tokens.to(frozen_dtype)
+    if head.kind == "eagle1":
+        head.lm_head.to(frozen_dtype)
+    head.share_target_weights(target)
+    return head

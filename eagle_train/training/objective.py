@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from eagle_train.config.train import LossConfig
+from eagle_train.logits import LogitTransform
 from eagle_train.loss import (
     add_feature_noise,
     combine_terms,
@@ -50,8 +51,8 @@ class EagleObjective:
 
     terms = ("smooth_l1", "ce", "correct", "tokens")
 
-    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor):
-        self.cfg, self.lm_weight = cfg, target_lm_head
+    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform):
+        self.cfg, self.lm_weight, self.transform = cfg, target_lm_head, transform
 
     def prepare(self, batch):
         return batch
@@ -60,9 +61,7 @@ class EagleObjective:
         return batch["loss_mask"].sum().float().reshape(1)
 
     def sums(self, model, batch, generator):
-        features = batch["features"]
-        if generator is not None:
-            features = add_feature_noise(features, self.cfg.noise, self.cfg.noise_scale, generator)
+        features = noisy_features(batch, self.cfg, generator)
         pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
         return eagle_loss_sums(
             pred,
@@ -71,6 +70,7 @@ class EagleObjective:
             batch["target_ids"],
             batch["loss_mask"],
             self.cfg.soft,
+            transform=self.transform,
         )
 
     def loss(self, sums, normalisers):
@@ -92,8 +92,8 @@ class Eagle3Objective:
     target's distribution over the draft vocabulary at the assistant positions whose token is kept,
     weighted ttt_decay^k; accuracy per step against the target's greedy token."""
 
-    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, head):
-        self.cfg, self.lm_weight, self.head = cfg, target_lm_head, head
+    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head):
+        self.cfg, self.lm_weight, self.transform, self.head = cfg, target_lm_head, transform, head
         self.steps = cfg.ttt_steps
         self.terms = tuple(
             f"{name}_{k}" for k in range(self.steps) for name in ("ce", "correct", "tokens", "positions")
@@ -106,7 +106,9 @@ class Eagle3Objective:
         hard: the data token t_{j+2})."""
         mask = batch["loss_mask"].bool()
         greedy = torch.zeros_like(batch["target_ids"])
-        greedy[mask] = (batch["target_hidden"][mask].float() @ self.lm_weight.float().T).argmax(-1)
+        greedy[mask] = self.transform(batch["target_hidden"][mask].float() @ self.lm_weight.float().T).argmax(
+            -1
+        )
         return {**batch, "greedy": greedy, "labels": greedy if self.cfg.soft else batch["target_ids"]}
 
     @property
@@ -121,9 +123,7 @@ class Eagle3Objective:
         return torch.stack([self._trainable(batch, k).sum().float() for k in range(self.steps)])
 
     def sums(self, model, batch, generator):
-        features = batch["features"]
-        if generator is not None:
-            features = add_feature_noise(features, self.cfg.noise, self.cfg.noise_scale, generator)
+        features = noisy_features(batch, self.cfg, generator)
         head = getattr(model, "module", model)  # the logits of a DDP/DeepSpeed-wrapped head
         draft_ids, t2d, sums = head.vocab_map.to(self.lm_weight.device), self.t2d, {}
         for k, state in enumerate(unroll(model, batch["input_ids"], features, self.steps)):
@@ -138,6 +138,7 @@ class Eagle3Objective:
                 shift_left(batch["greedy"], k, -1),
                 shift_left(batch["loss_mask"], k, False),
                 self.cfg.soft,
+                None if self.transform.identity else self.transform,
             )
             sums.update({f"{name}_{k}": value for name, value in step.items()})
         return sums
@@ -162,8 +163,19 @@ class Eagle3Objective:
         return out
 
 
-def make_objective(kind: str, cfg: LossConfig, target_lm_head: torch.Tensor, head) -> Objective:
-    """The objective of a head type (`head.kind`)."""
+def noisy_features(batch, cfg: LossConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """The micro-batch's input features, with the configured noise when a generator is given (each
+    sequence's tokens = its head positions + 1)."""
+    if generator is None:
+        return batch["features"]
+    return add_feature_noise(batch["features"], cfg.noise, cfg.noise_scale, generator, batch["positions"] + 1)
+
+
+def make_objective(
+    kind: str, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head
+) -> Objective:
+    """The objective of a head type (`head.kind`): `target_lm_head` is the frozen target LM head
+    [vocab, d] (EAGLE-1: the head's own copy of it), `transform` the target's output processing."""
     if kind == "eagle3":
-        return Eagle3Objective(cfg, target_lm_head, head)
-    return EagleObjective(cfg, target_lm_head)
+        return Eagle3Objective(cfg, target_lm_head, transform, head)
+    return EagleObjective(cfg, target_lm_head, transform)

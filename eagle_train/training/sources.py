@@ -15,23 +15,37 @@ from eagle_train.store import FeatureStore, StoreMismatchError, target_config_ha
 
 
 def target_identity(target: Target, hf_config) -> dict[str, Any]:
-    """What a store must have been extracted with (dotted manifest keys) for this target."""
+    """What a store must have been extracted with (dotted manifest keys) for this target: its config
+    and the fingerprint of its embedding and LM head (a fine-tune of the same shape differs there)."""
     return {
         "target.config_hash": target_config_hash(hf_config.to_dict()),
+        **{f"target.weights.{k}": v for k, v in target.weight_fingerprint.items()},
         "target.hidden_size": target.hidden_size,
         "target.vocab_size": target.vocab_size,
     }
 
 
 def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
-    """The target block of a head checkpoint's meta."""
+    """The target block of a head checkpoint's meta (evaluation compares the weight fingerprint)."""
     return {
         "target": {
             "name": target.cfg.name,
             "source": target.source,
             "config_hash": target_config_hash(hf_config.to_dict()),
             "architectures": list(getattr(hf_config, "architectures", None) or []),
+            "weights": target.weight_fingerprint,
         }
+    }
+
+
+def source_identity(target: Target, hf_config, data: dict[str, Any]) -> dict[str, Any]:
+    """The data and target part of a run's identity (training/checkpoint.py: run_identity)."""
+    return {
+        "data": data,
+        "target": {
+            "config_hash": target_config_hash(hf_config.to_dict()),
+            "weights": target.weight_fingerprint,
+        },
     }
 
 
@@ -40,11 +54,16 @@ def open_store(
 ) -> tuple[FeatureStore, dict[str, Any]]:
     """The feature store at `path`, refused (StoreMismatchError naming the field) unless it was
     extracted from this target and, for an EAGLE-3 head (`aux_layers`), holds the inputs of exactly
-    those layers."""
+    those layers. Its structure is checked when it is opened, each shard's checksum when it is first
+    read (eagle_train.store.FeatureStore)."""
     if path is None:
         raise ValueError("offline training needs `features=DIR`")
-    store = FeatureStore(path, aux=aux_layers is not None)
-    store.check_compatible(target_identity(target, hf_config))
+    try:
+        store = FeatureStore(path, target_identity(target, hf_config), aux=aux_layers is not None)
+    except StoreMismatchError as err:
+        raise StoreMismatchError(
+            f"{err} (extracted from another model, or by an older version: re-extract it)"
+        ) from None
     if aux_layers is not None and store.aux_layers != aux_layers:
         held = f"the inputs of target layers {store.aux_layers}" if store.aux_layers else "no aux layers"
         raise StoreMismatchError(

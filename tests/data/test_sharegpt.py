@@ -12,6 +12,7 @@ from eagle_train.data.sharegpt import (
     DataError,
     DropReport,
     is_eval_id,
+    iter_records,
     load_conversations,
     load_sharegpt,
     split_by_id,
@@ -252,3 +253,53 @@ def test_wrong_schema_names_the_record(tmp_path, record, reason):
     assert "s.json" in message and "record 1" in message and reason in message
     if isinstance(record, dict) and "id" in record:
         assert "'r1'" in message
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
+def test_json_arrays_are_read_as_a_stream_in_any_chunk_size(tmp_path, chunk):
+    """16.10: a JSON array is decoded element by element (memory: one chunk and one record), with the
+    same records, whitespace and all, as reading it whole."""
+    records = [
+        conv(("human", f'q {k} \u00e9 \\"]}}{{[,'), ("gpt", "a" * (5 * k)), id=f"r{k}") for k in range(25)
+    ] + [
+        {
+            "id": 12345678901234567890,
+            "conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}],
+        }
+    ]
+    path = tmp_path / "a.json"
+    path.write_text(
+        "  \n[ " + ",\n\t".join(json.dumps(r, indent=k % 3 or None) for k, r in enumerate(records)) + " ]\n"
+    )
+    got = [record for _, _, record in iter_records(path, chunk=chunk)]
+    assert got == json.loads(path.read_text())
+    path.write_text(json.dumps(records)[:-1] + ", 3 x]")
+    with pytest.raises(
+        DataError, match=r"a.json: malformed JSON at line 1, column \d+: Expecting ',' delimiter"
+    ):
+        list(iter_records(path, chunk=chunk))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            '[{"id": "a", "conversations": [{"from": "human", "value": "hi \\ud800"}]}]',
+            "lone surrogate '\\\\ud800'",
+        ),
+        ('{"id": "a", "conversations": [{"from": "human\\udfff", "value": "hi"}]}\n', "lone surrogate"),
+        ("[" * 100_000 + "]" * 100_000, "record 0: nested too deeply"),
+        (
+            '{"id": "a", "conversations": []}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+            "line 2 .*nested too deeply",
+        ),
+    ],
+    ids=["surrogate-content", "surrogate-role", "deep-array", "deep-jsonl"],
+)
+def test_hostile_json_is_a_data_error_naming_the_record(tmp_path, text, message):
+    """16.11: a lone surrogate (valid JSON, invalid text) or a very deep document: a DataError naming the
+    file and the record, not a UnicodeEncodeError or RecursionError later."""
+    path = tmp_path / ("h.jsonl" if text.startswith("{") else "h.json")
+    path.write_text(text)
+    with pytest.raises(DataError, match=rf"h\.jsonl?: .*{message}"):
+        load_sharegpt(path, require_replies=False)

@@ -71,7 +71,7 @@ def random_head(target):
 
     torch.manual_seed(1)
     head = DraftHead.from_target(target.config)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.eval()
 
 
@@ -87,7 +87,7 @@ def _train(target, steps, seq_len, batch, lr):
     rows = _tinystories_rows(target, seq_len)
     logits, feats = target.features(rows)  # [rows, seq, vocab], [rows, seq, hidden]
     head = DraftHead.from_target(target.config)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
     for _ in range(steps):
@@ -118,7 +118,7 @@ def random_eagle3_head(target):
     torch.manual_seed(2)
     head = Eagle3Head.from_target(target.config, target.aux_layers, 256)
     head.set_vocabulary(_tinystories_vocabulary(target, 256), target.lm_head.weight)
-    head.share_target_weights(target.embed_tokens)
+    head.share_target_weights(target)
     return head.eval()
 
 
@@ -154,8 +154,10 @@ def train_eagle3_head(
     hidden, aux = target.aux_hidden_states(rows, None, target.aux_layers)
     head = Eagle3Head.from_target(target.config, target.aux_layers, vocab)
     head.set_vocabulary(_tinystories_vocabulary(target, vocab), target.lm_head.weight)
-    head.share_target_weights(target.embed_tokens)
-    objective = Eagle3Objective(LossConfig(ttt_steps=3, noise="none"), target.lm_head.weight, head)
+    head.share_target_weights(target)
+    objective = Eagle3Objective(
+        LossConfig(ttt_steps=3, noise="none"), target.lm_head.weight, target.logit_transform, head
+    )
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
     mask = torch.ones(rows.shape[1], dtype=torch.bool)
     for _ in range(steps):

@@ -7,7 +7,9 @@ import pytest
 from eagle_train.config import to_schema
 from eagle_train.config.base import CONF_DIR
 from eagle_train.config.decode import DecodeConfig, load_tree_paths
+from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.decoding.tree import shape_from_paths
+from eagle_train.entry import compose
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml")))
@@ -46,3 +48,10 @@ def test_unknown_tree_names_the_shipped_ones(tmp_path):
     bad.write_text("paths: 3\n")
     with pytest.raises(ValueError, match="bad.yaml"):
         load_tree_paths(str(bad))
+
+
+def test_sampling_draws_chain_and_eagle1_children_from_the_draft_by_default():
+    """The default chosen by acceptance (scripts/bench_sampling.py: children drawn from q accepted more
+    than the top-k at temperature 0.7 and 1.0, chain and EAGLE-1 alike); greedy decoding ignores it."""
+    assert DecodeConfig().sample_children is True
+    assert to_schema(compose("evaluate", ["draft.path=x"]), EvaluateConfig).decode.sample_children is True

@@ -98,7 +98,7 @@ def trained_ckpt(engine_python) -> Path:
 @pytest.fixture(scope="session")
 def trained_head(trained_ckpt, target):
     head, _ = load_head(trained_ckpt)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.eval()
 
 

@@ -54,7 +54,7 @@ def eagle3_ckpt(engine_python):
 @pytest.fixture(scope="session")
 def eagle3_head(eagle3_ckpt, target):
     head, _ = load_head(eagle3_ckpt)
-    head.share_target_weights(target.embed_tokens)
+    head.share_target_weights(target)
     return head.eval()
 
 

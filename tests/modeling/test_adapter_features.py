@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM, Qwen2
 
 from eagle_train.config import TargetConfig
 from eagle_train.modeling.target import load_target
-from tests.conftest import STORIES260K
+from tests.conftest import STORIES260K, TINY_SHAPE
 
 
 def test_stories260k_hidden_is_lm_head_input(target):
@@ -46,16 +46,7 @@ def test_padding_does_not_change_real_positions(target):
 )
 def test_random_models_hidden_is_lm_head_input(tmp_path, config_cls, model_cls):
     torch.manual_seed(0)
-    cfg = config_cls(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    cfg = config_cls(**TINY_SHAPE, max_position_embeddings=128, tie_word_embeddings=False)
     model_cls(cfg).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(STORIES260K).save_pretrained(tmp_path)
     target = load_target(TargetConfig(name="tiny", path=str(tmp_path), chat_template="plain"))
@@ -128,3 +119,10 @@ def test_aux_layers_are_checked_against_the_target(target_cfg):
         resolve_aux_layers([1, 2, 5], 5)
     with pytest.raises(ValueError, match="3 layer ids"):
         replace(target_cfg, aux_layers=[1, 2])
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "runs/models/missing", "./missing", ""])
+def test_a_missing_local_target_path_is_named_not_sent_to_the_hub(path):
+    """16.11: a local path that does not exist used to come back as a hub error about a repository id."""
+    with pytest.raises(FileNotFoundError, match=rf"target.path='{path}': no such directory"):
+        load_target(TargetConfig(path=path))

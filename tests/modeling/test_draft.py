@@ -64,7 +64,7 @@ def test_shapes_come_from_the_target_config_of_any_family():
 
 def test_embedding_and_lm_head_are_shared_frozen_and_not_saved(target):
     head = DraftHead.from_target(target.config)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     assert torch.equal(head.lm_head.weight, target.lm_head.weight)
     assert torch.equal(head.embed_tokens.weight, target.embed_tokens.weight)
     trainable = {n for n, p in head.named_parameters() if p.requires_grad}

@@ -126,7 +126,7 @@ def test_vocabulary_maps_draft_ids_to_target_ids_and_starts_the_lm_head_from_the
 
 def test_only_the_embedding_is_frozen(target):
     head = Eagle3Head.from_target(target.config, target.aux_layers, 128)
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     assert torch.equal(head.embed_tokens.weight, target.embed_tokens.weight)
     frozen = {n for n, p in head.named_parameters() if not p.requires_grad}
     assert frozen == {"embed_tokens.weight"}

@@ -58,7 +58,7 @@ def make_head(target, vocab=VD, fc_norm=False, norm_output=False, seed=0, aux=(1
                 p.copy_(
                     torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0)
                 )
-    head.share_target_weights(target.embed_tokens)
+    head.share_target_weights(target)
     return head.eval()
 
 
@@ -183,7 +183,7 @@ def test_project_checkpoint_round_trip(target, tmp_path):
     head = make_head(target, norm_output=True)
     save_head(head, tmp_path / "ckpt", {"target": {"name": "stories260k"}})
     loaded, meta = load_head(tmp_path / "ckpt")
-    loaded.share_target_weights(target.embed_tokens)
+    loaded.share_target_weights(target)
     assert meta["type"] == "eagle3" and loaded.norm_output and loaded.aux_layers == [1, 2, 4]
     assert all(torch.equal(a, b) for a, b in zip(outputs(loaded.eval()), outputs(head), strict=True))
     assert all(

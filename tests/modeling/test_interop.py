@@ -40,7 +40,7 @@ def make_head(target, fc_bias: bool = True, seed: int = 0, num_layers: int = 1) 
                 p.copy_(
                     torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0)
                 )
-    head.share_target_weights(target.embed_tokens, target.lm_head)
+    head.share_target_weights(target)
     return head.eval()
 
 

@@ -59,3 +59,36 @@ def test_tree_forward_equals_per_path_sequential_forwards(any_target):
     out, _ = any_target.decode(nxt, torch.tensor([[21]]), torch.ones(1, 1, 1, 22, dtype=torch.bool), cache)
     seq = torch.cat([prefix[0], tree.tokens[keep], nxt[0]])[None]
     torch.testing.assert_close(out[0, -1], any_target.features(seq)[0][0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_flash_attention_target_decodes_through_sdpa(target_cfg, target):
+    """A target loaded with flash_attention_2 cannot take the tree's 4-D mask (flash reads it as a padding
+    mask): decode-time forwards run sdpa instead, bit for bit the sdpa target's, and the model keeps its
+    own implementation for everything else. (flash_attn cannot load on a CPU: the attribute is set here
+    as loading with it sets it; eagle_train.checks.flash_attention_decoding checks the real kernel.)"""
+    from eagle_train.config.decode import DecodeConfig
+    from eagle_train.decoding.decoder import SpeculativeDecoder
+
+    flash = load_target(target_cfg)
+    flash.model.config._attn_implementation = "flash_attention_2"
+    assert flash.decode_attention == "sdpa"
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 500, (1, 13), generator=g)
+    tree = build_tree(torch.randint(3, 500, (6,), generator=g), [-1, 0, 0, 1, 2, 2])
+    mask = torch.cat([torch.ones(6, 13, dtype=torch.bool), tree.attention_mask], dim=1)[None, None]
+    outputs = []
+    for model in (target, flash):
+        cache = model.new_cache(32)
+        model.decode(prefix, torch.arange(13)[None], causal(13), cache)
+        cache.advance(13)
+        outputs.append(model.decode(tree.tokens[None], (tree.depth + 13)[None], mask, cache))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    assert flash.model.config._attn_implementation == "flash_attention_2"  # restored after each forward
+    prompt = prefix[0].tolist()
+    ar = SpeculativeDecoder(flash, None, DecodeConfig(method="ar", max_new_tokens=30)).generate(prompt)
+    eagle2 = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16, max_new_tokens=30)
+    from eagle_train.modeling.draft import DraftHead
+
+    head = DraftHead.from_target(flash.config)
+    head.share_target_weights(flash)
+    assert SpeculativeDecoder(flash, head.eval(), eagle2).generate(prompt).tokens == ar.tokens

@@ -19,6 +19,34 @@ def test_batch_plans_cover_the_split_once_and_respect_the_budget():
     assert 9 not in train + held and set(train).isdisjoint(held)  # length 2: no trainable position
 
 
+def test_bucketed_batches_are_new_every_epoch_at_little_padding():
+    """With the default bucket_jitter each epoch's bucketed micro-batches hold other sequences (not only
+    another order), still a pure function of (seed, epoch) and with little padding; jitter 0 keeps the
+    same batches every epoch."""
+    import random
+
+    from eagle_train.config.train import TrainConfig
+    from eagle_train.data.batching import padding_fraction
+
+    rng = random.Random(0)  # long-tailed lengths like ShareGPT's, capped at 2048
+    lengths = [min(2048, max(8, int(rng.lognormvariate(6.0, 0.9)))) for _ in range(4000)]
+    indices = list(range(len(lengths)))
+    jitter = TrainConfig(features="x").bucket_jitter
+
+    def plan(epoch: int, jitter: float) -> list[list[int]]:
+        return plan_epoch(indices, lengths, 8192, 4, True, epoch, jitter)
+
+    epochs = [plan(e, jitter) for e in range(3)]
+    for p in epochs:
+        assert sorted(i for b in p for i in b) == indices
+        assert all(len(b) <= 4 and (len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 8192) for b in p)
+        assert padding_fraction(lengths, p) < 0.02
+    batch_sets = [{frozenset(b) for b in p} for p in epochs]
+    assert len(batch_sets[0] & batch_sets[1]) < 0.05 * len(batch_sets[0])  # new batch mates
+    assert plan(1, jitter) == epochs[1]  # deterministic: a resumed run sees the same epoch
+    assert {frozenset(b) for b in plan(0, 0.0)} == {frozenset(b) for b in plan(1, 0.0)}
+
+
 def test_collate_pads_right_and_masks_padding():
     samples = [
         {

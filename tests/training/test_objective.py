@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from eagle_train.config.train import LossConfig
+from eagle_train.logits import LogitTransform
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.training.data import collate
 from eagle_train.training.objective import Eagle3Objective
@@ -51,7 +52,7 @@ def setup_case(seed: int = 0):
 def test_each_step_predicts_the_token_k_further_on():
     head, lm, samples = setup_case()
     steps = 4
-    objective = Eagle3Objective(LossConfig(ttt_steps=steps, noise="none"), lm, head)
+    objective = Eagle3Objective(LossConfig(ttt_steps=steps, noise="none"), lm, LogitTransform(), head)
     batch = objective.prepare(collate(samples))
     sums = objective.sums(head, batch, None)
     states = dense_unroll(head, batch["input_ids"], batch["features"], steps)
@@ -82,7 +83,7 @@ def test_each_step_predicts_the_token_k_further_on():
 
 def test_split_micro_batches_give_the_whole_batch_loss():
     head, lm, samples = setup_case(1)
-    objective = Eagle3Objective(LossConfig(ttt_steps=3, noise="none"), lm, head)
+    objective = Eagle3Objective(LossConfig(ttt_steps=3, noise="none"), lm, LogitTransform(), head)
     whole = objective.prepare(collate(samples))
     parts = [objective.prepare(collate(samples[:1])), objective.prepare(collate(samples[1:]))]
     total = sum(objective.normalisers(p) for p in parts)

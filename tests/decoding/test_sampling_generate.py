@@ -1,0 +1,114 @@
+"""Lossless sampling end to end: `SpeculativeDecoder.generate` itself, every method, on the real
+stories260K with a trained head, at temperature 1 with top-k 3. The first three generated tokens (the
+prefill's sample, then a verification round) are counted over many seeded generations and tested
+against the target's exact joint distribution p(t1) p(t2 | t1) p(t3 | t1, t2) with a chi-square test
+(cells expected below 5 pooled), rejected below p = 1e-3; a verifier that forgets to take a rejected
+child out of p fails the same test (the control). Fixed seeds: deterministic."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle_train.config.decode import DecodeConfig
+from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.verify import process_logits
+from tests.decoding.test_decoder import prompts
+
+pytestmark = pytest.mark.slow
+TOP_K, TOKENS, RUNS = 3, 3, 1200
+SAMPLING = dict(temperature=1.0, top_k_sampling=TOP_K, max_new_tokens=TOKENS)
+CONFIGS = {
+    "ar": DecodeConfig(method="ar"),
+    "chain": DecodeConfig(method="chain", chain_length=3, sample_children=False),
+    "chain_sampled": DecodeConfig(method="chain", chain_length=3, sample_children=True),
+    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63", sample_children=False),
+    "eagle1_sampled": DecodeConfig(method="eagle1", tree="mc_sim_7b_63", sample_children=True),
+    "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16),
+}
+
+
+@pytest.fixture(scope="module")
+def exact_joint(target) -> dict[tuple[int, ...], float]:
+    """The target's probability of every 3-token continuation of the prompt (top-k 3 at T=1)."""
+    prompt = prompts(target, 1)[0]
+
+    @torch.no_grad()
+    def p_next(ctx: tuple[int, ...]) -> torch.Tensor:
+        logits, _ = target.features(torch.tensor([prompt + list(ctx)]))
+        return process_logits(logits[0, -1], 1.0, 1.0, TOP_K).double()
+
+    joint = {(): 1.0}
+    for _ in range(TOKENS):
+        joint = {
+            (*ctx, t): p * float(q[t])
+            for ctx, p in joint.items()
+            for q in [p_next(ctx)]
+            for t in torch.nonzero(q).flatten().tolist()
+        }
+    return joint
+
+
+def sample_counts(target, head, cfg: DecodeConfig) -> dict[tuple[int, ...], int]:
+    decoder = SpeculativeDecoder(
+        target, head, replace(cfg, **SAMPLING, seed=11)
+    )  # one generator for all runs
+    prompt = prompts(target, 1)[0]
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(RUNS):
+        tokens = tuple(decoder.generate(prompt).tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    return counts
+
+
+def chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float]) -> float:
+    """p-value of the counts under the exact joint (cells expected below 5 pooled into one)."""
+    total = sum(counts.values())
+    big = [seq for seq, p in joint.items() if p * total >= 5]
+    observed = [counts.get(seq, 0) for seq in big]
+    expected = [joint[seq] * total for seq in big]
+    observed.append(total - sum(observed))  # the pooled cell (and anything outside the support)
+    expected.append(max(total - sum(expected), 1e-9))
+    return float(chisquare(observed, expected).pvalue)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_generate_samples_the_targets_distribution(target, trained_head, exact_joint, name):
+    counts = sample_counts(target, trained_head, CONFIGS[name])
+    assert all(seq in exact_joint for seq in counts)  # nothing outside the target's top-k support
+    assert chi_square_p(counts, exact_joint) > 1e-3
+
+
+def test_the_end_to_end_test_rejects_a_verifier_that_keeps_rejected_children(
+    target, trained_head, exact_joint, monkeypatch
+):
+    """Control: the top-k rule without its residual step (a rejected child stays in p, so the bonus token
+    can be the child just rejected) over-samples the draft's tokens; the same test must reject it."""
+    import eagle_train.decoding.decoder as decoder
+
+    def keep_rejected(tree, probs, generator):
+        tokens, path, node = tree.token_list, [0], 0
+        while True:
+            p = probs[node].double()
+            for child in tree.children[node]:
+                if float(torch.rand((), generator=generator)) < float(p[tokens[child]]):
+                    path.append(child)
+                    node = child
+                    break
+            else:
+                return path, int(torch.multinomial(p.float(), 1, generator=generator))
+
+    monkeypatch.setattr(decoder, "accept_sampling", keep_rejected)
+    counts = sample_counts(target, trained_head, CONFIGS["eagle1"])
+    assert all(seq in exact_joint for seq in counts)  # still inside the support: only the rates are wrong
+    assert chi_square_p(counts, exact_joint) < 1e-3
+
+
+def test_the_joint_is_a_distribution(exact_joint):
+    assert sum(exact_joint.values()) == pytest.approx(1.0)
+    assert len(exact_joint) == TOP_K**TOKENS
+    assert all(len(seq) == TOKENS for seq in itertools.islice(exact_joint, 5))
