@@ -96,9 +96,9 @@ def test_no_dynamic_round_one_step_before_the_context_limit(target, target_cfg, 
 
     depths = []
 
-    def recording(root, root_logp, drafter, depth, top_k, total_tokens):
+    def recording(root, root_logp, drafter, depth, top_k, total_tokens, vocab_map=None):
         depths.append(depth)
-        return expand_dynamic(root, root_logp, drafter, depth, top_k, total_tokens)
+        return expand_dynamic(root, root_logp, drafter, depth, top_k, total_tokens, vocab_map)
 
     monkeypatch.setattr(decoder, "expand_dynamic", recording)
     prompt = prompts(target, 1)[0]
