@@ -1,6 +1,7 @@
 """Stage: export a trained head to the layout vLLM, SGLang or the EAGLE reference loads.
 
     python -m eagle_train.export ckpt=runs/<run>/head format=vllm out=exports/<name>
+    python -m eagle_train.export ckpt=runs/<run>/final format=speculators speculative_tokens=3 out=...  (EAGLE-3)
 
 The output directory (config.json + model.safetensors, or pytorch_model.bin for format=eagle) is
 written atomically under an exclusive lock (eagle_train.lock); a non-empty directory that is not an
@@ -115,6 +116,7 @@ def run(cfg: ExportConfig) -> Path:
             dtype=torch_dtype(cfg.dtype) if cfg.dtype else None,
             fold_bias=cfg.fc_bias == "fold",
             overwrite=cfg.overwrite,
+            speculative_tokens=cfg.speculative_tokens,
         )
     log.info("exported %s -> %s (format=%s)", ckpt, out, cfg.format)
     return out

@@ -1,4 +1,5 @@
-"""Stage 1: run the frozen target over ShareGPT conversations and store its last hidden states.
+"""Stage 1: run the frozen target over ShareGPT conversations and store its last hidden states
+(with `aux=true` also the inputs of `target.aux_layers`, EAGLE-3's features).
 
     python -m eagle_train.extract data.path=FILE out_dir=DIR [target=...] [dtype=float16]
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m eagle_train.extract ...
@@ -70,8 +71,9 @@ def data_source(cfg: DataConfig) -> dict[str, Any]:
 def store_identity(
     cfg: ExtractConfig, target: Target, template: str, max_len: int, source: dict[str, Any]
 ) -> dict[str, Any]:
-    """The manifest fields that decide the store's contents (a rerun must match them)."""
-    return {
+    """The manifest fields that decide the store's contents (a rerun must match them). `aux_layers`
+    appears only in a store that holds them, so an EAGLE-1 store's identity is what it always was."""
+    identity = {
         "schema_version": SCHEMA_VERSION,
         "target": {
             "name": cfg.target.name,
@@ -90,6 +92,9 @@ def store_identity(
         "max_len": max_len,
         "data": source,
     }
+    if cfg.aux:
+        identity["aux_layers"] = target.aux_layers
+    return identity
 
 
 def stream_shards(
@@ -114,12 +119,14 @@ def extract_rows(
     max_tokens: int,
     max_batch_size: int,
     dtype: torch.dtype,
-    put: Callable[[int, torch.Tensor], None],
+    put: Callable[..., None],
     attention_mask: bool = False,
     on_batch: Callable[[int, int], None] | None = None,
+    aux_layers: list[int] | None = None,
 ) -> None:
-    """Features of a slice of tokenized conversations: `put(i, hidden [L_i, hidden])` in `dtype` on the
-    CPU for each row i, one length-bucketed batch at a time (in batch order, not row order).
+    """Features of a slice of tokenized conversations: `put(i, hidden [L_i, hidden], aux)` in `dtype` on
+    the CPU for each row i, one length-bucketed batch at a time (in batch order, not row order); aux
+    [L_i, 3 * hidden] (the inputs of `aux_layers`) with `aux_layers`, else None.
 
     rows: dicts with input_ids. Conversations are batched by length and right-padded; only the real
     tokens' hidden states are kept. `on_batch(conversations, tokens)` is called after each forward.
@@ -137,12 +144,16 @@ def extract_rows(
         mask = (
             torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]
         ).long()  # [b, T]
-        hidden = target.hidden_states(
-            input_ids.to(target.device), mask.to(target.device) if attention_mask else None
-        )
+        ids, pad_mask = input_ids.to(target.device), mask.to(target.device) if attention_mask else None
+        if aux_layers is None:
+            hidden, aux = target.hidden_states(ids, pad_mask), None
+        else:
+            hidden, aux = target.aux_hidden_states(ids, pad_mask, aux_layers)
+            aux = aux.to(dtype).cpu()  # [b, T, 3 * hidden]
         hidden = hidden.to(dtype).cpu()  # [b, T, hidden]
         for row, i in enumerate(batch):
-            put(i, hidden[row, : lengths[i]])  # [L, hidden]: the real tokens only
+            # [L, hidden] (and [L, 3 * hidden]): the real tokens only
+            put(i, hidden[row, : lengths[i]], None if aux is None else aux[row, : lengths[i]])
         if on_batch is not None:
             on_batch(len(batch), sum(lengths[i] for i in batch))
 
@@ -195,7 +206,9 @@ def extract_shards(
     process_index) that are not already complete; returns the plan. The output directory is prepared
     when the first shard is cut; a DataError raised later says which shards were kept."""
     out_dir, content_hash = Path(cfg.out_dir), store_hash(identity)
-    bytes_per_token = target.hidden_size * HIDDEN_DTYPES[cfg.dtype].itemsize
+    aux_layers = target.aux_layers if cfg.aux else None
+    aux_size = len(aux_layers) * target.hidden_size if aux_layers else 0
+    bytes_per_token = (target.hidden_size + aux_size) * HIDDEN_DTYPES[cfg.dtype].itemsize
     progress = Progress(cfg.progress and accelerator.is_main_process)
     plan: list[tuple[int, int]] = []
     kept = 0
@@ -221,9 +234,20 @@ def extract_shards(
                 cfg.max_batch_size,
                 HIDDEN_DTYPES[cfg.dtype],
                 on_batch=progress,
-            )  # fill(put): put(i, hidden) for every row of the shard
+                aux_layers=aux_layers,
+            )  # fill(put): put(i, hidden, aux) for every row of the shard
             extra["process"] = accelerator.process_index
-            write_shard(out_dir, k, shard_rows, cfg.dtype, target.vocab_size, extra, fill, target.hidden_size)
+            write_shard(
+                out_dir,
+                k,
+                shard_rows,
+                cfg.dtype,
+                target.vocab_size,
+                extra,
+                fill,
+                target.hidden_size,
+                aux_size,
+            )
     except DataError as err:
         if plan:
             raise DataError(

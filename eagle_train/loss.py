@@ -1,4 +1,4 @@
-"""The EAGLE training objective as pure tensor functions (torch only).
+"""The EAGLE training objectives as pure tensor functions (torch only).
 
 A sequence of tokens t_0..t_{L-1} with target features f_0..f_{L-1} (f_j = the target's last hidden
 state at j, the LM head's input, predicting t_{j+1}) gives L-1 head positions j = 0..L-2:
@@ -7,9 +7,18 @@ state at j, the LM head's input, predicting t_{j+1}) gives L-1 head positions j 
 
 and position j is trained iff the token it predicts, t_{j+2}, lies in an assistant reply
 (loss_mask[j + 2] in sequence indexing; the reference's unshifted mask is EAGLE issue #317).
+
+EAGLE-3 (`ttt_loss_sums`, `combine_ttt_terms`): the input feature is a_j (the inputs of three target
+layers) and the head is unrolled over its own outputs (eagle_train.unroll). Its step k at column j
+predicts t_{j+2+k}: every step-0 alignment above moves k columns on (`shift_left(x, k)`: the target's
+distribution lm_head(f_{j+1+k}), the token t_{j+2+k}, the mask mask[j+2+k]). The loss of a step is the
+soft CE against the target's distribution restricted to the draft vocabulary, over the assistant
+positions whose token is in that vocabulary; the total is sum_k decay^k * mean CE_k, no regression.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +32,13 @@ def shift_sequence(
     input_ids: torch.Tensor,  # [L] t_0..t_{L-1}
     loss_mask: torch.Tensor,  # [L] bool, True where t_i is an assistant token
     hidden: torch.Tensor,  # [L, d] f_0..f_{L-1}
+    aux: torch.Tensor | None = None,  # [L, 3d] EAGLE-3: a_0..a_{L-1}, the inputs of the aux layers
 ) -> dict[str, torch.Tensor]:
     """One sequence's head inputs and targets, all of length L-1 (head position j).
 
-    input_ids t_{j+1}, features f_j, target_hidden f_{j+1}, target_ids t_{j+2} (0 past the end),
-    loss_mask mask[j+2] (False past the end).
+    input_ids t_{j+1}, features f_j (EAGLE-3: a_j), target_hidden f_{j+1} (the target's distribution
+    of t_{j+2} is lm_head(f_{j+1})), target_ids t_{j+2} (0 past the end), loss_mask mask[j+2] (False
+    past the end).
     """
     if input_ids.ndim != 1 or input_ids.shape[0] < 2:
         raise ValueError(f"need a 1-D sequence of at least 2 tokens, got shape {tuple(input_ids.shape)}")
@@ -38,11 +49,21 @@ def shift_sequence(
     mask[: n - 1] = loss_mask[2:].bool()
     return {
         "input_ids": input_ids[1:].long(),  # [n] t_{j+1}
-        "features": hidden[:-1],  # [n, d] f_j
+        "features": (hidden if aux is None else aux)[:-1],  # [n, d] f_j or [n, 3d] a_j
         "target_hidden": hidden[1:],  # [n, d] f_{j+1}
         "target_ids": target_ids,  # [n] t_{j+2}
         "loss_mask": mask,  # [n] mask[j+2]
     }
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int | float | bool) -> torch.Tensor:
+    """x[:, j + k] at column j, `fill` past the end ([batch, n, ...]): step k's view of a step-0
+    aligned tensor."""
+    if k == 0:
+        return x
+    out = torch.full_like(x, fill)
+    out[:, :-k] = x[:, k:]
+    return out
 
 
 def add_feature_noise(
@@ -186,3 +207,55 @@ def combine_terms(
     smooth_l1 = sums["smooth_l1"] / denom
     ce = sums["ce"] / denom
     return {"loss": feature_weight * smooth_l1 + token_weight * ce, "smooth_l1": smooth_l1, "ce": ce}
+
+
+def ttt_loss_sums(
+    hidden: torch.Tensor,  # [batch, n, d] the draft's output at step k (column j predicts t_{j+2+k})
+    draft_logits: Callable[[torch.Tensor], torch.Tensor],  # [N, d] -> [N, draft_vocab]: the head's
+    target_hidden: torch.Tensor,  # [batch, n, d] f_{j+1+k}
+    target_lm_head: torch.Tensor,  # [vocab, d] the target's frozen LM head
+    draft_ids: torch.Tensor,  # [draft_vocab] the target id of each draft token (d2t + arange)
+    t2d: torch.Tensor,  # [vocab] bool: token kept in the draft vocabulary
+    labels: torch.Tensor,  # [batch, n] the token that decides the mask (soft: target greedy; hard: t_{j+2+k})
+    greedy: torch.Tensor,  # [batch, n] the target's greedy token argmax(lm_head(f_{j+1+k}))
+    loss_mask: torch.Tensor,  # [batch, n] bool: mask[j+2+k], the predicted token is an assistant token
+    soft: bool = True,
+    transform: LogitTransform | None = None,  # the target's output processing (elementwise)
+) -> dict[str, torch.Tensor]:
+    """One TTT step's SUMS. ce over the trainable positions (assistant, label kept), against
+    softmax(target logits over the kept tokens) (soft) or the label's draft id (hard); correct: draft
+    top-1, mapped to a target id, equals the target's greedy token, over ALL assistant positions (a
+    token outside the draft vocabulary is a miss, as at decode time); tokens / positions: the counts."""
+    mask = loss_mask.bool()
+    trainable = mask & t2d[labels]  # [batch, n]
+    logits = draft_logits(hidden[mask]).float()  # [M, draft_vocab]
+    draft_logp = torch.log_softmax(logits[trainable[mask]], dim=-1)  # [N, draft_vocab]
+    if soft:
+        with torch.no_grad():
+            kept_logits = target_hidden[trainable].float() @ target_lm_head[draft_ids].float().T
+            if transform is not None:
+                kept_logits = transform(kept_logits)
+        ce = -(torch.softmax(kept_logits, dim=-1) * draft_logp).sum()
+    else:
+        draft_index = torch.cumsum(t2d.long(), 0) - 1  # [vocab] draft id of each kept token
+        ce = F.nll_loss(draft_logp, draft_index[labels[trainable]], reduction="sum")
+    correct = (draft_ids[logits.argmax(-1)] == greedy[mask]).sum().detach()
+    return {
+        "ce": ce,
+        "correct": correct.float(),
+        "tokens": trainable.sum().float(),
+        "positions": mask.sum().float(),
+    }
+
+
+def combine_ttt_terms(
+    step_ce: list[torch.Tensor], step_tokens: list[float | torch.Tensor], decay: float = 0.8
+) -> dict[str, torch.Tensor]:
+    """The EAGLE-3 loss total: sum_k decay^k * (CE sum of step k / its trainable tokens), with the
+    global counts of the optimizer step (all micro-batches, all processes): the one place it is formed."""
+    means = [
+        ce / torch.clamp(torch.as_tensor(n, dtype=torch.float32), min=1.0)
+        for ce, n in zip(step_ce, step_tokens, strict=True)
+    ]
+    total = sum(decay**k * mean for k, mean in enumerate(means))
+    return {"loss": total, **{f"ce_step{k + 1}": mean for k, mean in enumerate(means)}}

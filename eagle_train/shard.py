@@ -2,8 +2,9 @@
 
 Layout (valid safetensors, loadable with `safetensors.safe_open`): 8 bytes little-endian header length,
 the JSON header (sorted keys, no spaces, padded with spaces to a multiple of 8) and the data, tensors
-in the order `offsets` int64 [n + 1], `hidden` [tokens, hidden], `input_ids` uint16 | int32 [tokens],
-`loss_mask` uint8 [tokens] (each stays aligned to its element size). The metadata holds the sample ids
+in the order `offsets` int64 [n + 1], `hidden` [tokens, hidden], for an EAGLE-3 store `aux` [tokens,
+3 * hidden] (the inputs of three target layers), `input_ids` uint16 | int32 [tokens], `loss_mask` uint8
+[tokens] (each stays aligned to its element size). The metadata holds the sample ids
 (a JSON list) and the schema version. The same samples always give the same bytes (the safetensors
 library orders metadata keys at random, so two identical runs gave two checksums), and the hidden states
 are written into their rows as the target produces them, in any order, so a shard never sits in memory.
@@ -41,10 +42,17 @@ ST_DTYPES = {
 }
 TAGS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint16: "U16"}
 TAGS.update({torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"})
-TENSORS = ("offsets", "hidden", "input_ids", "loss_mask")  # their order in the data region
+TENSORS = ("offsets", "hidden", "input_ids", "loss_mask")  # every shard's
+ORDER = (
+    "offsets",
+    "hidden",
+    "aux",
+    "input_ids",
+    "loss_mask",
+)  # their order in the data region ("aux": EAGLE-3)
 MAX_HEADER = 1 << 30  # a header claiming more is corrupt (a million ids take ~20 MB)
 
-Fill = Callable[[Callable[[int, torch.Tensor], None]], None]
+Fill = Callable[[Callable[..., None]], None]  # fill(put): put(i, hidden[, aux]) for every sample
 
 
 class ShardError(ValueError):
@@ -59,7 +67,8 @@ def token_dtype(vocab_size: int) -> torch.dtype:
 def _header(shapes: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
     """The encoded header (length prefix included) and each tensor's [begin, end) in the data region."""
     spans, at = {}, 0
-    for name in TENSORS:
+    names = [n for n in ORDER if n in shapes]
+    for name in names:
         dtype, shape = shapes[name]
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         spans[name] = (at, at + size)
@@ -68,7 +77,7 @@ def _header(shapes: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str
     header.update(
         {
             n: {"dtype": TAGS[shapes[n][0]], "shape": shapes[n][1], "data_offsets": list(spans[n])}
-            for n in TENSORS
+            for n in names
         }
     )
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -86,11 +95,13 @@ def write_shard_file(
     ids_dtype: torch.dtype,
     fill: Fill,
     metadata: dict[str, str],
+    aux_size: int = 0,
 ) -> None:
     """Write a shard file at `path` (a temporary name: the caller publishes it).
 
-    `fill(put)` must call `put(i, hidden)` once for every sample i with its hidden states [L_i, hidden]
-    (any order, any float dtype: converted to `hidden_dtype`); the rows go straight to the file."""
+    `fill(put)` must call `put(i, hidden, aux)` once for every sample i with its hidden states [L_i,
+    hidden] and, when `aux_size`, its aux features [L_i, aux_size] (else aux None or omitted); any
+    order, any float dtype (converted to `hidden_dtype`); the rows go straight to the file."""
     lengths = [len(x) for x in input_ids]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)  # [n + 1]
     tokens = int(offsets[-1])
@@ -100,8 +111,9 @@ def write_shard_file(
         "input_ids": (ids_dtype, [tokens]),
         "loss_mask": (torch.uint8, [tokens]),
     }
+    if aux_size:
+        shapes["aux"] = (hidden_dtype, [tokens, aux_size])
     head, spans = _header(shapes, {"ids": json.dumps([str(i) for i in ids]), **metadata})
-    row_bytes = hidden_size * hidden_dtype.itemsize
     written = np.zeros(len(lengths), dtype=bool)
     with open(path, "wb") as f:
         f.write(head)
@@ -113,13 +125,17 @@ def write_shard_file(
         f.write(np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]).astype(np_ids).tobytes())
         f.write(np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_mask]).tobytes())
 
-        def put(i: int, hidden: torch.Tensor) -> None:
-            if tuple(hidden.shape) != (lengths[i], hidden_size):
-                raise ValueError(
-                    f"sample {i}: hidden {tuple(hidden.shape)}, expected ({lengths[i]}, {hidden_size})"
-                )
-            f.seek(base + spans["hidden"][0] + int(offsets[i]) * row_bytes)
-            f.write(_bytes(hidden.detach().to("cpu", hidden_dtype)))
+        def put(i: int, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> None:
+            for name, rows, width in (("hidden", hidden, hidden_size), ("aux", aux, aux_size)):
+                if width == 0:
+                    if rows is not None:
+                        raise ValueError(f"sample {i}: aux features for a shard without them")
+                    continue
+                if rows is None or tuple(rows.shape) != (lengths[i], width):
+                    got = None if rows is None else tuple(rows.shape)
+                    raise ValueError(f"sample {i}: {name} {got}, expected ({lengths[i]}, {width})")
+                f.seek(base + spans[name][0] + int(offsets[i]) * width * hidden_dtype.itemsize)
+                f.write(_bytes(rows.detach().to("cpu", hidden_dtype)))
             written[i] = True
 
         fill(put)
@@ -177,8 +193,11 @@ class ShardFile:
         missing = set(TENSORS) - set(self.header)
         if missing:
             raise self.error(f"missing tensors {sorted(missing)}")
+        unknown = set(self.header) - set(ORDER)
+        if unknown:
+            raise self.error(f"unknown tensors {sorted(unknown)}")
         spans = []
-        for name in TENSORS:
+        for name in [n for n in ORDER if n in self.header]:
             spec = self.header[name]
             try:
                 dtype, shape, (begin, end) = ST_DTYPES[spec["dtype"]][0], spec["shape"], spec["data_offsets"]
@@ -204,6 +223,9 @@ class ShardFile:
         for name in ("input_ids", "loss_mask"):
             if self.header[name]["shape"] != [tokens]:
                 raise self.error(f"{name} has shape {self.header[name]['shape']}, hidden has {tokens} rows")
+        aux = self.header.get("aux", {}).get("shape")
+        if aux is not None and (len(aux) != 2 or aux[0] != tokens):
+            raise self.error(f"aux has shape {aux}, hidden has {tokens} rows")
 
     def _check_offsets(self) -> None:
         offsets, tokens = self.offsets, self.header["input_ids"]["shape"][0]

@@ -12,11 +12,13 @@ Layout of a store directory (written by `python -m eagle_train.extract`, read by
                                valid sidecar is incomplete and is redone on a rerun
     manifest.json              written once, at the end, by the main process: the store is complete
 
-Only real tokens are stored, never padding. A rerun keeps a shard whose sidecar matches the plan and the
-store hash; its sha256 is recomputed only if the file's size, mtime or inode changed since it was last
-verified (a resume does not re-read the store). Broken metadata names its file: a broken manifest.json or
-store_config.json is rewritten by a rerun (the other one, or the shards' store hash, still says what the
-store holds).
+Only real tokens are stored, never padding. A store for EAGLE-3 heads (manifest `aux_layers`: the target
+layers whose inputs it holds) has a fifth tensor per shard, `aux` [tokens, 3 * hidden]: 4 hidden states
+per token, 4x the bytes; without `aux_layers` the layout is exactly the EAGLE-1 one. A rerun keeps a
+shard whose sidecar matches the plan and the store hash; its sha256 is recomputed only if the file's size,
+mtime or inode changed since it was last verified (a resume does not re-read the store). Broken metadata
+names its file: a broken manifest.json or store_config.json is rewritten by a rerun (the other one, or the
+shards' store hash, still says what the store holds).
 
 `FeatureStore` reads a complete store with random access, checked before use: when it is opened, the
 manifest's shard list (contiguous ranges, names, counts), every shard's header and offsets and the
@@ -140,7 +142,9 @@ def prepare_out_dir(out_dir: str | Path, identity: dict[str, Any], overwrite: bo
     out_dir.mkdir(parents=True, exist_ok=True)
     name, existing = recorded_identity(out_dir)
     if existing is not None:
-        diffs = mismatches(content_key(identity), content_key({k: existing.get(k) for k in identity}))
+        # `aux_layers` is compared even when this run has none: an EAGLE-3 store is not an EAGLE-1 one
+        fields = [*identity, *(["aux_layers"] if "aux_layers" in existing else [])]
+        diffs = mismatches(content_key(identity), content_key({k: existing.get(k) for k in fields}))
         refusal = f"a different config ({name}): " + "; ".join(diffs)
     else:
         others = sorted({s for s in shard_store_hashes(out_dir) if s != store_hash(identity)})
@@ -250,23 +254,27 @@ def write_shard(
     extra: dict[str, Any] | None = None,
     hidden: Any = None,
     hidden_size: int | None = None,
+    aux_size: int = 0,
 ) -> dict[str, Any]:
     """Write shard `index` atomically, then its sidecar; return the sidecar (shard info).
 
     samples: dicts with "id" (str), "input_ids" (int [L]), "loss_mask" (bool/int [L]) and "hidden"
-    (float [L, hidden]), or, streamed, without "hidden": then `hidden(put)` calls `put(i, [L_i,
-    hidden_size])` for every sample (eagle_train.shard.write_shard_file). `extra` (e.g. the sample range
-    and the store hash) goes into the sidecar.
+    (float [L, hidden]) and, for an EAGLE-3 store, "aux" (float [L, 3 * hidden], every sample or none);
+    or, streamed, without them: then `hidden(put)` calls `put(i, [L_i, hidden_size], aux)` for every
+    sample, aux [L_i, aux_size] when `aux_size` (eagle_train.shard.write_shard_file). `extra` (e.g. the
+    sample range and the store hash) goes into the sidecar.
     """
     out_dir = Path(out_dir)
     if not samples:
         raise ValueError(f"shard {index}: no samples")
     if hidden is None:
         hidden_size = int(torch.as_tensor(samples[0]["hidden"]).shape[-1])
+        aux_size = int(torch.as_tensor(samples[0]["aux"]).shape[-1]) if "aux" in samples[0] else 0
 
         def hidden(put):
             for i, sample in enumerate(samples):
-                put(i, torch.as_tensor(sample["hidden"]))
+                aux = torch.as_tensor(sample["aux"]) if aux_size else None
+                put(i, torch.as_tensor(sample["hidden"]), aux)
 
     final = out_dir / shard_name(index)
     masks = [np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]
@@ -281,6 +289,7 @@ def write_shard(
             token_dtype(vocab_size),
             hidden,
             {"schema_version": str(SCHEMA_VERSION)},
+            aux_size,
         )
         info = {
             "file": final.name,
@@ -357,15 +366,16 @@ class FeatureStore:
 
     `manifest` is the parsed manifest.json; `ids` and `lengths` come from the shard headers (no hidden
     state is read); `store[i]` returns {"id", "input_ids" LongTensor[L], "loss_mask" BoolTensor[L],
-    "hidden" Tensor[L, hidden] in the stored dtype}. Opening checks the structure (StoreError naming the
-    file and what is wrong); a shard's sha256 and value ranges are checked the first time it is read in a
-    process (`verify()` checks them all now). `expected` (dotted manifest fields) is checked first, as
-    `check_compatible`. Picklable (for DataLoader workers): the memory maps are
-    reopened lazily in each process.
+    "hidden" Tensor[L, hidden] in the stored dtype} (+ "aux" Tensor[L, 3 * hidden] when opened with
+    `aux=True`: the inputs of `aux_layers`, EAGLE-3's features; an EAGLE-1 run never reads them).
+    Opening checks the structure (StoreError naming the file and what is wrong); a shard's sha256 and
+    value ranges are checked the first time it is read in a process (`verify()` checks them all now).
+    `expected` (dotted manifest fields) is checked first, as `check_compatible`. Picklable (for
+    DataLoader workers): the memory maps are reopened lazily in each process.
     """
 
-    def __init__(self, path: str | Path, expected: dict[str, Any] | None = None):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, expected: dict[str, Any] | None = None, aux: bool = False):
+        self.path, self.aux = Path(path), aux
         self.manifest = self._read_manifest()
         if expected:  # the contents asked for (e.g. this target's) before the consistency of the files
             self.check_compatible(expected)
@@ -434,6 +444,9 @@ class FeatureStore:
             )
         if shard.size != info["bytes"]:
             raise StoreError(f"{file}: {shard.size} bytes, {MANIFEST_NAME} says {info['bytes']}")
+        if bool(self.manifest.get("aux_layers")) != ("aux" in shard.header):
+            held = "holds an `aux` tensor" if "aux" in shard.header else "has no `aux` tensor"
+            raise StoreError(f"{file}: the shard {held}, {MANIFEST_NAME} aux_layers is {self.aux_layers}")
         return shard
 
     def _check_unique_ids(self) -> None:
@@ -463,20 +476,39 @@ class FeatureStore:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def _locate(self, i: int) -> tuple[ShardFile, int, int, int]:
+        """(shard, index in the shard, first row, end row) of sample i."""
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a store of {len(self)}")
         s = int(np.searchsorted(self._starts, i, side="right")) - 1
         shard, j = self.shard(s), i - int(self._starts[s])
-        begin, end = int(shard.offsets[j]), int(shard.offsets[j + 1])
-        return {
+        return shard, j, int(shard.offsets[j]), int(shard.offsets[j + 1])
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i's input_ids LongTensor[L] and loss_mask BoolTensor[L], without its hidden states."""
+        shard, _, begin, end = self._locate(i)
+        return shard.rows("input_ids", begin, end).long(), shard.rows("loss_mask", begin, end).bool()
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        shard, j, begin, end = self._locate(i)
+        sample = {
             "id": shard.ids[j],
             "input_ids": shard.rows("input_ids", begin, end).long(),  # [L]
             "loss_mask": shard.rows("loss_mask", begin, end).bool(),  # [L]
             "hidden": shard.rows("hidden", begin, end),  # [L, hidden]
         }
+        if self.aux:
+            if not self.aux_layers:
+                raise StoreError(f"{self.path}: no aux features (extracted without aux=true)")
+            sample["aux"] = shard.rows("aux", begin, end)  # [L, 3 * hidden]
+        return sample
+
+    @property
+    def aux_layers(self) -> list[int]:
+        """The target layers whose inputs the store holds (EAGLE-3's features); [] for an EAGLE-1 store."""
+        return list(self.manifest.get("aux_layers") or [])
 
     @property
     def hidden_dtype(self) -> torch.dtype:

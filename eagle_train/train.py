@@ -28,18 +28,16 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
 from eagle_train.entry import on_main, stage_lock, stage_main
 from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
-from eagle_train.logits import LogitTransform
-from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
-from eagle_train.modeling.checkpoint import load_head, save_head
-from eagle_train.modeling.draft import DraftHead
-from eagle_train.modeling.interop import warn_other_target
+from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.training import checkpoint as ckpt
 from eagle_train.training.data import Source, batch_to, collate, online_collate, plan_epoch, split_by_id
 from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
+from eagle_train.training.heads import build_head
+from eagle_train.training.objective import Objective, make_objective
 from eagle_train.training.optim import NonFiniteError, build_optimizer, check_finite, grad_norm, lr_at, set_lr
-from eagle_train.training.sources import open_online, open_store, source_identity
+from eagle_train.training.sources import online_features, open_online, open_store, source_identity
 
 
 @dataclass
@@ -94,17 +92,18 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
     online = cfg.data.source == "online"
     target = load_target(cfg.target, accelerator.device if online else "cpu")
     hf_config = load_target_config(cfg.target)
+    aux_layers = target.aux_layers if cfg.draft.type == "eagle3" else None  # EAGLE-3's features
     if online:
         with accelerator.main_process_first():
             source, identity = open_online(cfg, target, hf_config)
-        device = accelerator.device
+        device, features = accelerator.device, online_features(target, aux_layers)
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
-            return online_collate([source[i] for i in indices], target.hidden_states, device)
+            return online_collate([source[i] for i in indices], features, device)
 
         data = {"sha256": file_sha256(resolve_path(cfg.data.path))}
     else:
-        source, identity = open_store(resolve_path(cfg.features), target, hf_config)
+        source, identity = open_store(resolve_path(cfg.features), target, hf_config, aux_layers)
 
         def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
             return collate([source[i] for i in indices])
@@ -121,25 +120,6 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_head(cfg: TrainConfig, target: Target, frozen_dtype: torch.dtype = torch.float32) -> DraftHead:
-    """A fresh head (seeded) or the one at draft.path, sharing the target's frozen embedding/LM head.
-
-    The trained weights (fc, layers) are float32 (mixed precision keeps fp32 masters); the frozen
-    vocabulary-sized matrices are held once, in the working dtype (`frozen_dtype`: bf16 under bf16
-    mixed precision): at a 128k vocabulary an fp32 copy of each costs 2.1 GB per process."""
-    if cfg.draft.path:
-        head, meta = load_head(resolve_path(cfg.draft.path))
-        warn_other_target(resolve_path(cfg.draft.path), meta, target)  # initial weights for another target
-    else:
-        torch.manual_seed(cfg.seed)
-        head = DraftHead.from_target(target.config, cfg.draft.num_layers, cfg.draft.fc_bias)
-    head.float()
-    head.embed_tokens.to(frozen_dtype)
-    head.lm_head.to(frozen_dtype)
-    head.share_target_weights(target)
-    return head
-
-
 def step_batches(
     plan: list[list[int]], cursor: int, accelerator: Accelerator, grad_accum: int
 ) -> list[list[int]]:
@@ -151,52 +131,33 @@ def step_batches(
 def train_step(
     model,
     batches: list[dict[str, torch.Tensor]],
+    objective: Objective,
     cfg: TrainConfig,
     accelerator: Accelerator,
-    lm_weight: torch.Tensor,
     noise_seeds: list[int],
-    logit_transform: LogitTransform | None = None,
-) -> torch.Tensor:
-    """Forward/backward over this process's micro-batches; returns summed terms
-    [smooth_l1, ce, correct, tokens, positions] (not yet reduced across processes).
+) -> dict[str, torch.Tensor]:
+    """Forward/backward over this process's micro-batches; returns the summed terms of the objective
+    plus `positions` (real head positions), not yet reduced across processes.
 
+    The loss is normalised by the normalisers of the WHOLE step (all micro-batches, all processes).
     Each micro-batch's noise comes from its own seed (a function of its place in the epoch plan), so
     the noise does not depend on how the micro-batches are spread over processes."""
-    local_tokens = sum(b["loss_mask"].sum() for b in batches).float().reshape(1).to(accelerator.device)
-    global_tokens = accelerator.reduce(local_tokens.clone(), "sum")
+    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+    batches = [objective.prepare(batch_to(b, accelerator.device, dtype)) for b in batches]
+    local = torch.stack([objective.normalisers(b) for b in batches]).sum(0)
+    global_normalisers = accelerator.reduce(local.clone(), "sum")
     # The loss is already a mean over the whole step; undo DDP's/DeepSpeed's average over processes and
     # accelerate's/DeepSpeed's division by the accumulation steps.
     scale = accelerator.num_processes * cfg.grad_accum
-    totals = torch.zeros(5, device=accelerator.device)
-    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+    totals = dict.fromkeys((*objective.terms, "positions"), 0.0)
     for i, batch in enumerate(batches):
-        batch = batch_to(batch, accelerator.device, dtype)
         generator = torch.Generator(device=accelerator.device).manual_seed(noise_seeds[i])
         with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
-            features = add_feature_noise(  # lengths: each sequence's tokens = its head positions + 1
-                batch["features"], cfg.loss.noise, cfg.loss.noise_scale, generator, batch["positions"] + 1
-            )
-            pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
-            sums = eagle_loss_sums(
-                pred,
-                batch["target_hidden"],
-                lm_weight,
-                batch["target_ids"],
-                batch["loss_mask"],
-                cfg.loss.soft,
-                transform=logit_transform,
-            )
-            terms = combine_terms(sums, global_tokens[0], cfg.loss.feature_weight, cfg.loss.token_weight)
-            accelerator.backward(terms["loss"] * scale)
-        totals += torch.stack(
-            [
-                sums["smooth_l1"].detach(),
-                sums["ce"].detach(),
-                sums["correct"],
-                sums["tokens"],
-                batch["positions"].sum().float(),
-            ]
-        )
+            sums = objective.sums(model, batch, generator)
+            accelerator.backward(objective.loss(sums, global_normalisers) * scale)
+        for key in objective.terms:
+            totals[key] = totals[key] + sums[key].detach().float()
+        totals["positions"] = totals["positions"] + batch["positions"].sum().float()
     return totals
 
 
@@ -222,8 +183,11 @@ def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) 
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
-    """Held-out metrics (eagle_train.metrics) plus the loss without noise, over all processes."""
+def evaluate(
+    head, data: RunData, cfg: TrainConfig, accelerator: Accelerator, objective: Objective, lm_weight
+):
+    """Held-out metrics (eagle_train.metrics: first-step top-1/3, k-step chain accuracy, simulated
+    acceptance length) plus the objective's terms without noise, over all processes."""
     held_out = data.held_out[: cfg.eval_max_samples] if cfg.eval_max_samples else data.held_out
     mine = held_out[accelerator.process_index :: accelerator.num_processes]
     plan = plan_epoch(mine, data.source.lengths, cfg.max_tokens, cfg.max_batch_size, True, 0) if mine else []
@@ -234,39 +198,27 @@ def evaluate(head: DraftHead, data: RunData, cfg: TrainConfig, accelerator: Acce
         *[f"step{k}" for k in range(1, cfg.eval_depth + 1)],
         "chains",
         "accept_len",
-        "smooth_l1",
-        "ce",
+        *objective.terms,
     ]
     totals = dict.fromkeys(keys, 0.0)
     head.eval()
     for indices in plan:
-        batch = batch_to(data.make_batch(indices), accelerator.device, head.fc.weight.dtype)
+        batch = objective.prepare(
+            batch_to(data.make_batch(indices), accelerator.device, head.fc.weight.dtype)
+        )
         with accelerator.autocast():
-            for key, value in draft_metric_sums(head, batch, cfg.eval_depth).items():
+            eagle3_lm = (
+                lm_weight if head.kind == "eagle3" else None
+            )  # EAGLE-1: the head's logits are the target's
+            for key, value in draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm).items():
                 totals[key] += value
-            pred = head(batch["input_ids"], batch["features"])
-            sums = eagle_loss_sums(
-                pred,
-                batch["target_hidden"],
-                head.lm_head.weight,
-                batch["target_ids"],
-                batch["loss_mask"],
-                cfg.loss.soft,
-                transform=head.logit_transform,
-            )
-        totals["smooth_l1"] += float(sums["smooth_l1"])
-        totals["ce"] += float(sums["ce"])
+            for key, value in objective.sums(head, batch, None).items():
+                totals[key] += float(value)
     head.train()
     reduced = accelerator.reduce(torch.tensor([totals[k] for k in keys], device=accelerator.device), "sum")
     totals = dict(zip(keys, reduced.tolist(), strict=True))
     out = finalize_metrics(totals, cfg.eval_depth)
-    terms = combine_terms(
-        {"smooth_l1": torch.tensor(totals["smooth_l1"]), "ce": torch.tensor(totals["ce"])},
-        totals["first_tokens"],
-        cfg.loss.feature_weight,
-        cfg.loss.token_weight,
-    )
-    out.update({k: float(v) for k, v in terms.items()})
+    out.update({k: v for k, v in objective.summary(totals).items() if k != "top1"})
     return {f"eval/{k}": v for k, v in out.items()}
 
 
@@ -332,8 +284,10 @@ class Session:
     model: Any  # the prepared head (DDP / DeepSpeed engine / plain module)
     optimizer: Any  # the prepared AdamW
     data: RunData
-    lm_weight: torch.Tensor  # the head's frozen LM head [vocab, hidden] (the target's, working dtype)
-    logit_transform: LogitTransform  # the target's output processing (eagle_train.logits)
+    objective: Objective  # what a step computes for this head type (training/objective.py)
+    lm_weight: (
+        torch.Tensor
+    )  # the target's frozen LM head [vocab, hidden], working dtype (EAGLE-1: the head's)
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
     identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
@@ -349,13 +303,18 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     out_dir = Path(cfg.out_dir)
     on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
-    head = build_head(cfg, target, FROZEN_DTYPES.get(str(accelerator.mixed_precision), torch.float32))
+    frozen_dtype = FROZEN_DTYPES.get(str(accelerator.mixed_precision), torch.float32)
+    head = build_head(cfg.draft, target, data.source, data.train, cfg.seed, frozen_dtype)
     optimizer = build_optimizer(head, cfg.optim)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
     prepared_head = accelerator.unwrap_model(model)
-    lm_weight = prepared_head.lm_head.weight  # the head's own frozen copy, no other
+    if prepared_head.kind == "eagle1":
+        lm_weight = prepared_head.lm_head.weight  # the head's own frozen copy, no other
+    else:  # an EAGLE-3 head has its own LM head: the target's is held once, for the soft targets
+        lm_weight = target.lm_head.weight.detach().to(accelerator.device, frozen_dtype)
+    objective = make_objective(prepared_head.kind, cfg.loss, lm_weight, target.logit_transform, prepared_head)
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
@@ -385,8 +344,8 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         model,
         optimizer,
         data,
+        objective,
         lm_weight,
-        prepared_head.logit_transform,
         out_dir,
         meta,
         identity,
@@ -424,23 +383,17 @@ def noise_seeds(cfg: TrainConfig, state: dict[str, Any], accelerator: Accelerato
     return [first + i * accelerator.num_processes for i in range(count)]
 
 
-def window_metrics(sums: list[float], cfg: TrainConfig, seconds: float) -> dict[str, float]:
-    """Averages of the summed train terms [smooth_l1, ce, correct, tokens, positions] over a log window."""
-    tokens = max(sums[3], 1.0)
-    terms = combine_terms(
-        {
-            "smooth_l1": torch.tensor(sums[0], dtype=torch.float64),
-            "ce": torch.tensor(sums[1], dtype=torch.float64),
-        },
-        tokens,  # float64 sums: the logged averages keep the precision of the reduced sums
-        cfg.loss.feature_weight,
-        cfg.loss.token_weight,
-    )
-    return {
-        **{k: float(v) for k, v in terms.items()},
-        "train_top1": sums[2] / tokens,
-        "tokens_per_s": sums[4] / max(seconds, 1e-9),
-    }
+def window_metrics(
+    totals: dict[str, float], objective: Objective, seconds: float, steps: int
+) -> dict[str, float]:
+    """The objective's averages of the summed train terms over a log window of `steps` optimizer steps,
+    and the throughput (head positions per second, seconds per optimizer step)."""
+    values = objective.summary(totals)
+    values["train_top1"] = values.pop("top1")
+    for key in [k for k in values if k.startswith("ttt_acc_step")]:
+        values[f"train_{key}"] = values.pop(key)
+    seconds = max(seconds, 1e-9)
+    return {**values, "tokens_per_s": totals["positions"] / seconds, "step_s": seconds / max(steps, 1)}
 
 
 def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
@@ -448,7 +401,9 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
     acc = s.accelerator
     bar = tqdm(total=s.stop, initial=state["step"], disable=not (cfg.progress and acc.is_local_main_process))
     plan = epoch_plan(cfg, s.data, state["epoch"])
-    window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
+    keys = (*s.objective.terms, "positions")
+    window_start, window = time.perf_counter(), torch.zeros(len(keys), device=acc.device)
+    window_from = state["step"]  # the step the log window started after
     while state["step"] < s.stop:
         if state["cursor"] + s.per_step > len(plan):  # epoch done (its remainder dropped)
             state["epoch"], state["cursor"] = state["epoch"] + 1, 0
@@ -461,17 +416,12 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         batches = [s.data.make_batch(b) for b in mine]
         lr = lr_at(state["step"], s.total, cfg.optim, acc.num_processes)
         set_lr(s.optimizer, lr)
-        terms = train_step(
-            s.model,
-            batches,
-            cfg,
-            acc,
-            s.lm_weight,
-            noise_seeds(cfg, state, acc, len(batches)),
-            s.logit_transform,
-        )
+        sums = train_step(s.model, batches, s.objective, cfg, acc, noise_seeds(cfg, state, acc, len(batches)))
+        terms = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=acc.device) for k in keys])
         try:
-            check_finite("training loss (summed SmoothL1, CE)", acc.reduce(terms[:2].clone(), "sum"))
+            check_finite(
+                f"training loss terms ({', '.join(s.objective.terms)})", acc.reduce(terms.clone(), "sum")
+            )
             norm = clip_and_step(s.model, s.optimizer, cfg, acc)
         except NonFiniteError as err:
             raise NonFiniteError(nonfinite_report(err, state, s, mine)) from None
@@ -480,16 +430,19 @@ def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
         step = state["step"]
         bar.update(1)
         if step % cfg.log_every == 0 or step == s.stop:
+            totals = dict(zip(keys, acc.reduce(window, "sum").tolist(), strict=True))
             values = window_metrics(
-                acc.reduce(window, "sum").tolist(), cfg, time.perf_counter() - window_start
+                totals, s.objective, time.perf_counter() - window_start, step - window_from
             )
             log_metrics(
                 acc, s.out_dir, step, {**values, "lr": lr, "grad_norm": norm, "epoch": state["epoch"]}
             )
             bar.set_postfix(loss=f"{values['loss']:.4f}", top1=f"{values['train_top1']:.3f}")
-            window_start, window = time.perf_counter(), torch.zeros(5, device=acc.device)
+            window_start, window = time.perf_counter(), torch.zeros(len(keys), device=acc.device)
+            window_from = step
         if cfg.eval_every and step % cfg.eval_every == 0 and step < s.stop and s.data.held_out:
-            log_metrics(acc, s.out_dir, step, evaluate(acc.unwrap_model(s.model), s.data, cfg, acc))
+            held_out = evaluate(acc.unwrap_model(s.model), s.data, cfg, acc, s.objective, s.lm_weight)
+            log_metrics(acc, s.out_dir, step, held_out)
         if cfg.eval_engine != "none" and (
             (cfg.eval_engine_every and step % cfg.eval_engine_every == 0) or step == s.stop
         ):
@@ -536,7 +489,11 @@ def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
     fit(cfg, session, state)
     acc = session.accelerator
     head = acc.unwrap_model(session.model)
-    final = evaluate(head, session.data, cfg, acc) if session.data.held_out else {}
+    final = (
+        evaluate(head, session.data, cfg, acc, session.objective, session.lm_weight)
+        if session.data.held_out
+        else {}
+    )
     log_metrics(acc, session.out_dir, state["step"], final)
     if acc.is_main_process and state["step"] >= session.total:
         save_head(head, session.out_dir / "final", {**session.meta, "step": state["step"], **final})

@@ -86,6 +86,22 @@ def tiny_store(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_store_aux(tiny_conversations, target_cfg, tmp_path_factory) -> Path:
+    """The same conversations with EAGLE-3's features too (aux=true: the inputs of layers 1, 2, 4)."""
+    from eagle_train.config.data import DataConfig
+    from eagle_train.config.extract import ExtractConfig
+    from eagle_train.extract import run as extract
+
+    out = tmp_path_factory.mktemp("store_aux") / "features"
+    data = DataConfig(name="tinystories", path=str(tiny_conversations))
+    cfg = ExtractConfig(
+        target=target_cfg, data=data, out_dir=str(out), dtype="float32", progress=False, aux=True
+    )
+    extract(cfg)
+    return out
+
+
 def reseal(store: Path, index: int) -> None:
     """After a deliberate edit of shard `index` of a store: record the file's new sha256 and size in the
     manifest, as a writer with a bug (or an attacker) would, so only the content checks can catch it."""

@@ -230,12 +230,20 @@ def random_head(target, fc_bias: bool) -> DraftHead:
 def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_bias):
     """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with
     the original head (tokens and per-round acceptance), for every layout."""
-    from eagle_train.config.decode import DecodeConfig
-    from eagle_train.decoding.decoder import SpeculativeDecoder
+    from eagle_train.modeling.interop import export_head
 
     head = random_head(target, fc_bias)
     embed = load_input_embedding(STORIES260K) if fmt == "eagle" else None
     imported = load_draft(export_head(head, fmt, tmp_path / fmt, embed_tokens=embed), target)
+    assert_same_decoding(target, head, imported, abs_confidence=1e-5)  # the vllm fold rounds differently
+
+
+def assert_same_decoding(target, head, imported, abs_confidence: float) -> None:
+    """The EAGLE-2 decoder emits, drafts and accepts the same with both heads (tokens, rounds, accepted
+    lengths, acceptance by position); draft confidences within rounding."""
+    from eagle_train.config.decode import DecodeConfig
+    from eagle_train.decoding.decoder import SpeculativeDecoder
+
     cfg = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=16)
     prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
     runs = [SpeculativeDecoder(target, h, cfg).generate(prompt) for h in (head, imported)]
@@ -244,7 +252,40 @@ def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_
         {k: v for k, v in r.stats.to_dict().items() if "time" not in k and "second" not in k} for r in runs
     ]
     confidence = [s.pop("node_confidence", None) for s in stats]
-    assert stats[0] == stats[1]  # rounds, accepted lengths, acceptance by position
-    assert confidence[1] == pytest.approx(
-        confidence[0], rel=1e-2, abs=1e-5
-    )  # the vllm fold rounds differently
+    assert stats[0] == stats[1]
+    assert confidence[1] == pytest.approx(confidence[0], rel=1e-2, abs=abs_confidence)
+
+
+@pytest.fixture
+def ckpt_eagle3(target, tmp_path):
+    """An EAGLE-3 checkpoint as training writes it: random weights, a 256-token draft vocabulary."""
+    from eagle_train.modeling.eagle3 import Eagle3Head
+
+    torch.manual_seed(4)
+    head = Eagle3Head.from_target(target.config, target.aux_layers, 256)
+    head.set_vocabulary(torch.arange(512) % 2 == 1, target.lm_head.weight)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.requires_grad and "lm_head" not in name:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+    head.share_target_weights(target)
+    meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"}, "max_len": 384}
+    return save_head(head, tmp_path / "ckpt3", meta), head.eval()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "eagle", "speculators"])
+def test_eagle3_export_import_gives_identical_decoder_output(target, tmp_path, ckpt_eagle3, fmt):
+    """The export stage on an EAGLE-3 checkpoint, then load_draft: the decoder drafts, accepts and emits
+    what it did with the trained head, in every layout (speculators: target and K in its config)."""
+
+    ckpt, head = ckpt_eagle3
+    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}", "speculative_tokens=4"))
+    config = json.loads((out / "config.json").read_text())
+    if fmt == "speculators":
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+        # the target's id: a local path is never published (export target_id=HUB_ID names the hub's)
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "stories260k"
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    else:
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert_same_decoding(target, head, load_draft(out, target), abs_confidence=1e-3)

@@ -172,6 +172,30 @@ def test_bad_input_fails_before_writing(target_cfg, tmp_path, case, message):
     assert not out_dir.exists()
 
 
+def test_aux_layers_are_extracted_for_eagle3(target_cfg, target, tmp_path):
+    """aux=true stores the inputs of target.aux_layers beside the last hidden state, exactly what the
+    target computes on each conversation alone; 4 hidden states per token: 4x the EAGLE-1 bytes."""
+    plain, aux = tmp_path / "plain", tmp_path / "aux"
+    run(extract_cfg(target_cfg, plain, path=FASTCHAT, limit=6, max_len=96, dtype="float32", max_tokens=256))
+    run(
+        extract_cfg(
+            target_cfg, aux, path=FASTCHAT, limit=6, max_len=96, dtype="float32", max_tokens=256, aux=True
+        )
+    )
+    one, four = FeatureStore(plain), FeatureStore(aux, aux=True)
+    assert four.aux_layers == target.aux_layers == [1, 2, 4] and one.aux_layers == []
+    assert "aux_layers" not in one.manifest  # an EAGLE-1 store is what it always was
+    for i in range(len(four)):
+        sample = four[i]
+        hidden, expected = target.aux_hidden_states(sample["input_ids"][None], None, [1, 2, 4])
+        torch.testing.assert_close(sample["aux"], expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sample["hidden"], one[i]["hidden"], atol=1e-5, rtol=1e-5)
+    per_token = [s.manifest["counts"]["bytes_per_token"] for s in (one, four)]
+    assert 3.9 < per_token[1] / per_token[0] < 4.0  # ids, mask and headers are shared
+    with pytest.raises(StoreMismatchError, match="aux_layers"):
+        run(extract_cfg(target_cfg, plain, path=FASTCHAT, limit=6, max_len=96, dtype="float32", aux=True))
+
+
 def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_path):
     """16.9: a truncated manifest.json: training names the file; a rerun of the extraction rewrites it
     and keeps every shard."""

@@ -3,7 +3,7 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
   0 foundation   config/*, files, lock                   stdlib, omegaconf
-  1 pure cores   loss, logits, metrics, kv_cache, decoding/*, report, report_engines, data/batching,
+  1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
                  data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, int]] = [
     ("logits", 1),
     ("metrics", 1),
     ("kv_cache", 1),
+    ("unroll", 1),
+    ("vocab", 1),
     ("decoding", 1),
     ("report_engines", 1),
     ("report", 1),

@@ -6,7 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_train.loss import add_feature_noise, combine_terms, eagle_loss_sums, shift_sequence
+from eagle_train.loss import (
+    add_feature_noise,
+    combine_terms,
+    combine_ttt_terms,
+    eagle_loss_sums,
+    shift_left,
+    shift_sequence,
+    ttt_loss_sums,
+)
 
 
 def eagle_loss(pred, target, weight, ids, mask, feature_weight=1.0, token_weight=0.1, soft=True):
@@ -123,6 +131,93 @@ def test_no_noise_returns_the_input():
     assert add_feature_noise(x, "none") is x
     with pytest.raises(ValueError, match="noise mode"):
         add_feature_noise(x, "gaussian")
+
+
+# ---------------------------------------------------------------- EAGLE-3: the training-time test
+
+
+def test_ttt_steps_shift_inputs_targets_and_mask_by_hand():
+    """The sequence of the EAGLE-1 example, unrolled: at step k column j is fed t_{j+1+k}, predicts
+    t_{j+2+k} from lm_head(f_{j+1+k}) and is trained iff that token is a reply token."""
+    tokens = torch.tensor([10, 11, 12, 20, 21, 22])
+    mask = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool)
+    hidden = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 4)
+    s = {k: v[None] for k, v in shift_sequence(tokens, mask, hidden, aux=hidden.repeat(1, 3) + 100).items()}
+    assert s["features"][0, :, 0].tolist() == [100, 101, 102, 103, 104]  # EAGLE-3 is fed a_j
+    expected = {
+        # step: (input token t_{j+1+k}, feature index of the target distribution j+1+k, token t_{j+2+k}, mask)
+        0: ([11, 12, 20, 21, 22], [1, 2, 3, 4, 5], [12, 20, 21, 22, 0], [0, 1, 1, 1, 0]),
+        1: ([12, 20, 21, 22, 0], [2, 3, 4, 5, 0], [20, 21, 22, 0, 0], [1, 1, 1, 0, 0]),
+        2: ([20, 21, 22, 0, 0], [3, 4, 5, 0, 0], [21, 22, 0, 0, 0], [1, 1, 0, 0, 0]),
+        4: ([22, 0, 0, 0, 0], [5, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]),
+    }
+    for k, (inputs, features, targets, trained) in expected.items():
+        assert shift_left(s["input_ids"], k, 0)[0].tolist() == inputs
+        assert shift_left(s["target_hidden"], k, 0.0)[0, :, 0].tolist() == features
+        assert shift_left(s["target_ids"], k, 0)[0].tolist() == targets
+        assert shift_left(s["loss_mask"], k, False)[0].int().tolist() == trained
+        # every trained column predicts the reply token that follows its input token in the sequence
+        for j in torch.nonzero(torch.tensor(trained)).flatten().tolist():
+            position = 2 + j + k  # sequence index of the predicted token
+            assert tokens[position] == targets[j] and tokens[position - 1] == inputs[j] and mask[position]
+
+
+def _ttt_case(seed=0, b=2, n=7, d=8, vocab=11):
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.tensor([0, 2, 3, 5, 8, 9])
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    case = {
+        "hidden": torch.randn(b, n, d, generator=g),
+        "target_hidden": torch.randn(b, n, d, generator=g),
+        "weight": torch.randn(vocab, d, generator=g),
+        "draft_head": torch.randn(len(kept), d, generator=g),
+        "labels": torch.randint(0, vocab, (b, n), generator=g),
+        "mask": torch.rand(b, n, generator=g) > 0.3,
+    }
+    return case, kept, t2d
+
+
+def test_ttt_loss_restricts_the_target_to_the_draft_vocabulary():
+    case, kept, t2d = _ttt_case()
+    greedy = (case["target_hidden"] @ case["weight"].T).argmax(-1)
+    sums = ttt_loss_sums(
+        case["hidden"], lambda h: h @ case["draft_head"].T, case["target_hidden"], case["weight"], kept, t2d,
+        case["labels"], greedy, case["mask"],
+    )  # fmt: skip
+    ce, correct, tokens = 0.0, 0, 0
+    for b in range(2):
+        for j in range(7):
+            if not case["mask"][b, j]:
+                continue
+            draft_logits = case["draft_head"] @ case["hidden"][b, j]
+            correct += int(kept[draft_logits.argmax()] == greedy[b, j])  # mapped to a target id
+            if case["labels"][b, j] not in kept:  # its token is outside the draft vocabulary: no loss
+                continue
+            p = torch.softmax((case["weight"] @ case["target_hidden"][b, j])[kept], 0)
+            ce -= float((p * torch.log_softmax(draft_logits, 0)).sum())
+            tokens += 1
+    assert 0 < tokens < int(case["mask"].sum())  # the case has kept and dropped positions
+    assert sums["ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert sums["correct"] == correct and sums["tokens"] == tokens and sums["positions"] == case["mask"].sum()
+    hard = ttt_loss_sums(
+        case["hidden"], lambda h: h @ case["draft_head"].T, case["target_hidden"], case["weight"], kept, t2d,
+        case["labels"], greedy, case["mask"], soft=False,
+    )  # fmt: skip
+    trainable = case["mask"] & t2d[case["labels"]]
+    draft_index = {int(t): i for i, t in enumerate(kept)}
+    expected = F.cross_entropy(
+        case["hidden"][trainable] @ case["draft_head"].T,
+        torch.tensor([draft_index[int(t)] for t in case["labels"][trainable]]),
+        reduction="sum",
+    )
+    torch.testing.assert_close(hard["ce"], expected)
+
+
+def test_ttt_total_weights_step_k_by_decay_to_the_k():
+    total = combine_ttt_terms([torch.tensor(6.0), torch.tensor(4.0), torch.tensor(9.0)], [3, 2, 0], 0.8)
+    assert total["loss"].item() == pytest.approx(2.0 + 0.8 * 2.0 + 0.64 * 9.0)  # no tokens: clamped to 1
+    assert total["ce_step2"].item() == pytest.approx(2.0)
 
 
 def one_shot_ce(pred, target, weight, ids, soft=True):

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from eagle_train.loss import shift_sequence
-from eagle_train.metrics import chain_attention_mask, chain_topk, draft_metric_sums, finalize_metrics
+from eagle_train.metrics import chain_topk, draft_metric_sums, finalize_metrics
 from eagle_train.modeling.draft import DraftHead
+from tests.reference import chain_attention_mask
 
 
 def test_chain_attention_mask_by_hand():

@@ -16,7 +16,7 @@ from eagle_train.entry import SCHEMAS, compose
 from eagle_train.pipeline import run
 
 # (experiment, extra overrides, expected name): the GPU preset with every target preset
-PRESETS = [("tiny_cpu", [], "tiny_cpu")] + [
+PRESETS = [("tiny_cpu", [], "tiny_cpu"), ("tiny_cpu_eagle3", [], "tiny_cpu_eagle3")] + [
     ("gpu_reference", [f"vars.target={t}"], t)
     for t in ("llama3_1_8b_instruct", "vicuna_7b_v1_3", "qwen2_5_7b_instruct", "mistral_7b_instruct")
 ]

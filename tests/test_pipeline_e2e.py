@@ -21,11 +21,18 @@ REDUCED = {
 
 
 @pytest.mark.slow
-def test_reduced_demo(tmp_path, capsys):
+@pytest.mark.parametrize("experiment", ["tiny_cpu", "tiny_cpu_eagle3"])
+def test_reduced_demo(tmp_path, capsys, experiment):
+    """The EAGLE-1 demo and the EAGLE-3 one (aux features in the store, an EAGLE-3 head through
+    evaluation: every greedy answer equal to plain decoding's)."""
     cfg = to_schema(
-        compose("pipeline", overrides=["experiment=tiny_cpu", f"run_dir={tmp_path}"]), PipelineConfig
+        compose("pipeline", overrides=[f"experiment={experiment}", f"run_dir={tmp_path}"]), PipelineConfig
     )
-    cfg.overrides = REDUCED
+    cfg.overrides = (
+        {**REDUCED, "train": [*REDUCED["train"], "max_steps=40"]}
+        if experiment.endswith("eagle3")
+        else REDUCED
+    )
     records = run(cfg)
     assert [r["stage"] for r in records] == ["prepare", "regenerate", "extract", "train", "evaluate"]
     assert not any(r["skipped"] for r in records)
@@ -39,6 +46,8 @@ def test_reduced_demo(tmp_path, capsys):
     assert all(a["identical"] for a in answers if a["method"] != "ar")  # greedy: every answer equals ar's
     assert all(rows[m]["identical"] == rows[m]["answers"] == 2 for m in ("chain", "eagle1", "eagle2"))
     assert rows["eagle2"]["tau"] > 1.0 and rows["chain"]["tau"] > 1.0  # even a briefly trained head drafts
+    head = json.loads((tmp_path / "train" / "final" / "config.json").read_text())
+    assert head["eagle_train"]["type"] == ("eagle3" if experiment.endswith("eagle3") else "eagle1")
     for name in (
         "report.md",
         "acceptance_by_position.png",

@@ -194,6 +194,48 @@ def test_write_manifest_needs_every_planned_shard(tmp_path):
     assert not (tmp_path / MANIFEST_NAME).exists()
 
 
+def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
+    """An EAGLE-3 store: `aux` [L, 3 * hidden] per sample, `aux_layers` in the manifest; an EAGLE-1
+    store's manifest has no such key and its samples no `aux` (the schema-1 layout, unchanged)."""
+    samples = make_samples([5, 3, 7])
+    gen = torch.Generator().manual_seed(9)
+    for s in samples:
+        s["aux"] = torch.randn(len(s["input_ids"]), 3 * HIDDEN, generator=gen)
+    identity = {**IDENTITY, "aux_layers": [1, 2, 4]}
+    prepare_out_dir(tmp_path, identity, overwrite=False)
+    info = write_shard(tmp_path, 0, samples, "float32", 512, extra={"start": 0, "stop": 3})
+    write_manifest(tmp_path, identity, [(0, 3)], {}, "h")
+    store = FeatureStore(tmp_path, aux=True)
+    assert store.aux_layers == [1, 2, 4] and info["bytes"] > 15 * 4 * HIDDEN * 4
+    for i, s in enumerate(samples):
+        assert torch.equal(store[i]["aux"], s["aux"]) and torch.equal(store[i]["hidden"], s["hidden"])
+        ids, mask = store.tokens(i)
+        assert ids.tolist() == s["input_ids"] and mask.tolist() == s["loss_mask"]
+    plain = tmp_path / "plain"
+    build_store(plain, make_samples([4]), [(0, 1)])
+    write_manifest(plain, IDENTITY, [(0, 1)], {}, "h")
+    assert FeatureStore(plain).aux_layers == [] and "aux" not in FeatureStore(plain)[0]
+    # an EAGLE-1 run reads an EAGLE-3 store's hidden states only
+    assert "aux" not in FeatureStore(tmp_path)[0]
+    with pytest.raises(StoreError, match="no aux features"):
+        FeatureStore(plain, aux=True)[0]
+    assert "aux_layers" not in json.loads((plain / MANIFEST_NAME).read_text())
+    # the same directory re-extracted without aux layers (or with others) is another store
+    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected '<missing>', found \[1, 2, 4\]"):
+        prepare_out_dir(tmp_path, IDENTITY, overwrite=False)
+    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[0, 2, 4\], found \[1, 2, 4\]"):
+        prepare_out_dir(tmp_path, {**IDENTITY, "aux_layers": [0, 2, 4]}, overwrite=False)
+    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[1, 2, 4\], found None"):
+        prepare_out_dir(plain, identity, overwrite=False)
+
+
+def test_a_manifest_naming_aux_layers_needs_aux_tensors(tmp_path):
+    build_store(tmp_path, make_samples([4]), [(0, 1)])
+    write_manifest(tmp_path, {**IDENTITY, "aux_layers": [1, 2, 4]}, [(0, 1)], {}, "h")
+    with pytest.raises(StoreError, match="no `aux` tensor"):
+        FeatureStore(tmp_path)
+
+
 # ---------------------------------------------------------------- 16.3, 16.9, 16.10, 16.11: checked reads
 
 

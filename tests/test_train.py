@@ -154,13 +154,19 @@ def test_loss_falls_and_checkpoints_are_written(tiny_store, tmp_path):
     assert "fc.weight" in weights and not any(k.startswith(("lm_head", "embed_tokens")) for k in weights)
 
 
+EAGLE3 = ("draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3")
+
+
 @pytest.mark.slow
-def test_resume_matches_an_uninterrupted_run_step_for_step(tiny_store, tmp_path):
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, head):
+    store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
     args = ("max_steps=8", "log_every=1", "eval_every=0", "save_every=4", "grad_accum=2")
-    run(make_cfg(tiny_store, tmp_path / "whole", *args))
-    run(make_cfg(tiny_store, tmp_path / "parts", *args, "stop_at_step=4"))
+    args += EAGLE3 if head == "eagle3" else ()
+    run(make_cfg(store, tmp_path / "whole", *args))
+    run(make_cfg(store, tmp_path / "parts", *args, "stop_at_step=4"))
     assert not (tmp_path / "parts" / "final").exists()
-    run(make_cfg(tiny_store, tmp_path / "parts", *args))  # resume=auto picks up step 4
+    run(make_cfg(store, tmp_path / "parts", *args))  # resume=auto picks up step 4
     whole = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "whole") if "loss" in m}
     parts = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "parts") if "loss" in m}
     assert list(parts) == list(range(1, 9))
@@ -196,13 +202,16 @@ def test_epochs_run_over_each_epochs_own_plan(tiny_store, tmp_path):
 
 
 @pytest.mark.slow
-def test_online_gives_the_offline_first_step_loss(tiny_store, tiny_conversations, tmp_path):
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_online_gives_the_offline_first_step_loss(request, tiny_conversations, tmp_path, head):
+    store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
     args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0", "data.eval_fraction=0.1")
-    run(make_cfg(tiny_store, tmp_path / "offline", *args))
+    args += EAGLE3 if head == "eagle3" else ()
+    run(make_cfg(store, tmp_path / "offline", *args))
     run(make_cfg(None, tmp_path / "online", *args, "data.source=online", f"data.path={tiny_conversations}"))
     offline, online = read_metrics(tmp_path / "offline")[0], read_metrics(tmp_path / "online")[0]
     # Same data, same batches, same noise; features computed per batch vs stored: fp32 rounding only.
-    for key in ("loss", "smooth_l1", "ce"):
+    for key in ("loss", "ce") + (("smooth_l1",) if head == "eagle1" else ("ce_step2", "ce_step3")):
         assert online[key] == pytest.approx(offline[key], rel=1e-5), key
     assert online["tokens_per_s"] > 0
 
@@ -241,6 +250,60 @@ def test_a_store_extracted_from_a_real_other_model_is_refused(tiny_conversations
     with pytest.raises(StoreMismatchError, match="target.hidden_size: expected 64, found 32") as err:
         run(make_cfg(tmp_path / "store", tmp_path / "run", "max_steps=1"))
     assert "target.config_hash" in str(err.value)
+
+
+@pytest.mark.slow
+def test_eagle3_loss_falls_and_its_serving_layout_is_written(tiny_store_aux, tmp_path):
+    out = tmp_path / "run"
+    final = run(
+        make_cfg(
+            tiny_store_aux,
+            out,
+            *EAGLE3,
+            "max_steps=60",
+            "optim.warmup_steps=5",
+            "log_every=10",
+            "eval_every=30",
+        )
+    )
+    lines = [m for m in read_metrics(out) if "loss" in m]
+    assert lines[-1]["loss"] < 0.8 * lines[0]["loss"]
+    assert {"ce_step1", "ce_step3", "train_ttt_acc_step3", "vocab_coverage", "tokens_per_s"} <= set(lines[0])
+    evals = [m for m in read_metrics(out) if "eval/loss" in m]
+    assert final["eval/top1"] > evals[0]["eval/top1"] and "eval/ttt_acc_step3" in final
+    assert final["eval/accept_len"] >= 1.0 and final["eval/vocab_coverage"] > 0.9  # 256 of 512 tokens
+    weights = load_file(str(out / "final" / "model.safetensors"))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(
+        weights
+    )
+    assert weights["lm_head.weight"].shape == (256, 64) and int(weights["t2d"].sum()) == 256
+    assert not any(k.startswith("embed_tokens") for k in weights)
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 256
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert config["eagle_train"]["type"] == "eagle3"
+
+
+def test_eagle3_refuses_a_store_without_its_layers(tiny_store, tiny_store_aux, tmp_path):
+    with pytest.raises(
+        StoreMismatchError,
+        match=r"holds no aux layers; draft.type=eagle3 needs the inputs of layers \[1, 2, 4\]",
+    ):
+        run(make_cfg(tiny_store, tmp_path / "run", *EAGLE3, "max_steps=1"))
+    with pytest.raises(
+        StoreMismatchError, match=r"holds the inputs of target layers \[1, 2, 4\]; .* needs .* \[0, 2, 4\]"
+    ):
+        run(make_cfg(tiny_store_aux, tmp_path / "run", *EAGLE3, "max_steps=1", "target.aux_layers=[0,2,4]"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_eagle1_head_trains_on_an_eagle3_store_exactly_as_on_its_own(tiny_store, tiny_store_aux, tmp_path):
+    """One store serves both heads: EAGLE-1 reads its last hidden states and never the aux features."""
+    args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0")
+    run(make_cfg(tiny_store, tmp_path / "plain", *args))
+    run(make_cfg(tiny_store_aux, tmp_path / "aux", *args))
+    plain, aux = read_metrics(tmp_path / "plain")[0], read_metrics(tmp_path / "aux")[0]
+    assert (plain["loss"], plain["smooth_l1"], plain["ce"]) == (aux["loss"], aux["smooth_l1"], aux["ce"])
 
 
 # ---------------------------------------------------------------- 16.3, 16.4, 16.11: nothing silently wrong

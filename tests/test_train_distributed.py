@@ -55,10 +55,15 @@ def read_losses(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-def launch(launcher: list[str], store: Path, out: Path, env: dict | None = None) -> list[dict]:
+EAGLE3 = ("draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3")
+
+
+def launch(
+    launcher: list[str], store: Path, out: Path, env: dict | None = None, extra: tuple[str, ...] = ()
+) -> list[dict]:
     """`accelerate launch ... train.py` with the shared overrides; returns the per-step metric lines."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
-    args = [*ARGS, f"features={store}", f"out_dir={out}"]
+    args = [*ARGS, *extra, f"features={store}", f"out_dir={out}"]
     done = subprocess.run(
         [*launcher, str(REPO / "train.py"), *args],
         cwd=REPO,
@@ -77,6 +82,15 @@ def single(tiny_store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
     cfg = compose("train", overrides=[*ARGS, f"features={tiny_store}", f"out_dir={out}", "grad_accum=2"])
     run(to_schema(cfg, TrainConfig))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_eagle3(tiny_store_aux, tmp_path_factory) -> Path:
+    """The same reference for an EAGLE-3 head (training-time test of 3 steps, 256-token draft vocabulary)."""
+    out = tmp_path_factory.mktemp("single_eagle3")
+    overrides = [*ARGS, *EAGLE3, f"features={tiny_store_aux}", f"out_dir={out}", "grad_accum=2"]
+    run(to_schema(compose("train", overrides=overrides), TrainConfig))
     return out
 
 
@@ -102,12 +116,15 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tiny_stor
     assert any(not torch.equal(wa[k], at_step2[k]) for k in wa)  # it trained between the checkpoints
 
 
-def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(tiny_store, single, tmp_path):
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(request, tmp_path, head):
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
+    store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
+    single = request.getfixturevalue("single" if head == "eagle1" else "single_eagle3")
     ShareMemCommBuilder().load()  # JIT-build DeepSpeed's CPU comm op once, outside the 2 ranks (cached)
     config = str(REPO / "conf" / "accelerate" / "deepspeed_zero2.yaml")
-    ds = launch(two_processes(config), tiny_store, tmp_path / "ds")
+    ds = launch(two_processes(config), store, tmp_path / "ds", extra=EAGLE3 if head == "eagle3" else ())
     # gradients really average over both ranks: ZeRO-2 follows the 1-process run step for step
     for a, b in zip(ds, read_losses(single), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -118,4 +135,20 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(tiny_store,
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
     wa, wb = weights(tmp_path / "ds"), weights(single)
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) < 1e-5
+
+
+def test_two_process_ddp_equals_one_process_for_an_eagle3_head(tiny_store_aux, single_eagle3, tmp_path):
+    """The training-time test runs the DDP-wrapped head once per step and its LM head outside the wrapper:
+    the gradients still average over both ranks exactly as one process accumulates them."""
+    env = {"ACCELERATE_USE_CPU": "true"}
+    ddp = launch(two_processes(), tiny_store_aux, tmp_path / "ddp", env=env, extra=EAGLE3)
+    reference = read_losses(single_eagle3)
+    assert [m["step"] for m in ddp] == [1, 2, 3, 4]
+    for a, b in zip(ddp, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["ce_step3"] == pytest.approx(
+            b["ce_step3"], rel=1e-6
+        )
+    wa, wb = weights(tmp_path / "ddp"), weights(single_eagle3)
+    assert torch.equal(wa["t2d"], wb["t2d"]) and torch.equal(wa["d2t"], wb["d2t"])
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa if wa[k].is_floating_point()) < 1e-6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EXPORT_FORMATS = ("vllm", "sglang", "eagle")
+EXPORT_FORMATS = ("vllm", "sglang", "eagle", "speculators")
 FC_BIAS_POLICIES = ("fold", "refuse")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -14,7 +14,9 @@ class ExportConfig:
     """Which checkpoint, which layout, where to."""
 
     ckpt: str = ""  # this project's head checkpoint (model.safetensors + config.json from training)
-    format: str = "vllm"  # vllm | sglang | eagle (the SafeAILab/EAGLE reference's pytorch_model.bin layout)
+    # vllm | sglang | eagle (the SafeAILab/EAGLE reference's pytorch_model.bin layout) | speculators
+    # (vLLM's self-describing packaging: target and K inside; EAGLE-3 heads only)
+    format: str = "vllm"
     # output directory, written atomically; an existing non-empty one must be an earlier export of this
     # format (replaced whole) unless overwrite is set
     out: str = ""
@@ -33,6 +35,7 @@ class ExportConfig:
     # Re-express the head exactly with this larger head_dim (eagle_train.modeling.reexpress), for a target
     # re-expressed the same way (vLLM's CPU attention needs 32+); null = keep the head's own.
     head_dim: int | None = None
+    speculative_tokens: int = 3  # format=speculators: K, the draft tokens vLLM proposes per step
 
     def __post_init__(self) -> None:
         if self.format not in EXPORT_FORMATS:
@@ -43,5 +46,7 @@ class ExportConfig:
             raise ValueError(f"dtype must be one of {EXPORT_DTYPES} or null, got {self.dtype!r}")
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"head_dim must be >= 1 or null, got {self.head_dim}")
+        if self.speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
         if self.max_len is not None and self.max_len <= 1:
             raise ValueError(f"max_len must be > 1, got {self.max_len}")

@@ -14,7 +14,7 @@ HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 class ExtractConfig:
     """Where the features go, how they are stored and how the target is batched.
 
-    Only target, data and dtype decide the store's contents; batch and shard sizes do not.
+    Only target, data, dtype and the aux layers decide the store's contents; batch and shard sizes do not.
     """
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
@@ -28,6 +28,9 @@ class ExtractConfig:
         512 * 2**20
     )  # most bytes of hidden states per shard (a shard holds at least one sample)
     overwrite: bool = False  # replace an existing store made with a different config
+    # also store the inputs of target.aux_layers, the features of EAGLE-3 heads (4 hidden states per
+    # token: 4x the bytes; online training, data.source=online, needs no store at all)
+    aux: bool = False
     progress: bool = True  # tqdm progress bar on the main process
 
     def __post_init__(self) -> None:

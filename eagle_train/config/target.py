@@ -29,6 +29,9 @@ class TargetConfig:
     train_max_len: int | None = None
     # eager | sdpa | flash_attention_2 (flash takes no 4-D tree mask: decoding runs sdpa, hf keeps flash)
     attn_implementation: str = "sdpa"
+    # EAGLE-3: the decoder layers whose INPUTS (low, mid, high) are the head's features, ids 0..L-1;
+    # null = `default_aux_layers(L)` (the reference's 2, L//2, L-3 where those are distinct)
+    aux_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -37,3 +40,44 @@ class TargetConfig:
             raise ValueError(f"target.max_len must be > 1, got {self.max_len}")
         if self.train_max_len is not None and self.train_max_len <= 1:
             raise ValueError(f"target.train_max_len must be > 1, got {self.train_max_len}")
+        if self.aux_layers is not None:
+            self.aux_layers = [int(i) for i in self.aux_layers]
+            if len(self.aux_layers) != NUM_AUX_LAYERS or min(self.aux_layers) < 0:
+                raise ValueError(
+                    f"target.aux_layers must be {NUM_AUX_LAYERS} layer ids >= 0 (low, mid, high), "
+                    f"got {self.aux_layers}"
+                )
+
+
+NUM_AUX_LAYERS = 3  # EAGLE-3 fuses three hidden states (fc: 3d -> d; SGLang's loader fixes the 3)
+
+
+def reference_aux_layers(num_layers: int) -> list[int]:
+    """The reference's (and vLLM's, SGLang's) choice for L layers: the inputs of layers 2, L//2, L-3.
+    An EAGLE-3 head whose config names no layers was trained with these."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """This project's default: the reference's ids where they are three distinct layers (L >= 7);
+    for shallower targets three distinct ones spread the same way, skipping the embedding (layer 0's
+    input) while there is room: L = 4..6 -> 1, L//2, L-1 (stories260K, L = 5: [1, 2, 4]); L = 3 -> 0, 1, 2."""
+    if num_layers >= 7:
+        return reference_aux_layers(num_layers)
+    if num_layers >= 4:
+        return [1, num_layers // 2, num_layers - 1]
+    if num_layers == 3:
+        return [0, 1, 2]
+    raise ValueError(f"an EAGLE-3 head needs a target of at least 3 layers, this one has {num_layers}")
+
+
+def resolve_aux_layers(requested: list[int] | None, num_layers: int) -> list[int]:
+    """`target.aux_layers` checked against the target's depth, or the default for that depth."""
+    layers = default_aux_layers(num_layers) if requested is None else list(requested)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"target.aux_layers {layers}: ids {bad} are not layers of this {num_layers}-layer target "
+            f"(the input of layer i, 0 <= i < {num_layers})"
+        )
+    return layers

@@ -82,14 +82,19 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    """feature_weight * SmoothL1(features) + token_weight * CE(tokens); noise on the input features."""
+    """EAGLE-1: feature_weight * SmoothL1(features) + token_weight * CE(tokens), noise on the input
+    features. EAGLE-3: sum over ttt_steps unrolled steps of ttt_decay^k * CE_k, no regression."""
 
     feature_weight: float = 1.0  # weight of the feature regression (SmoothL1); the reference's w_v
     token_weight: float = 0.1  # weight of the token cross entropy; the reference's w_p
     # CE against the target's distribution softmax(lm_head(f_{j+1})); False = the data token
     soft: bool = True
-    noise: str = "uniform"  # uniform U(-scale, scale) | length_scaled (reference code) | none
+    # uniform U(-scale, scale) | length_scaled (reference code) | none; null = the head type's default:
+    # uniform for eagle1, none for eagle3 (its training-time test feeds it its own errors instead)
+    noise: str | None = None
     noise_scale: float = 0.1  # noise amplitude
+    ttt_steps: int = 7  # eagle3: training-time test, steps unrolled over the head's own outputs
+    ttt_decay: float = 0.8  # eagle3: weight of step k (0-based) is ttt_decay ** k
     w_v: float | None = None  # deprecated alias of feature_weight
     w_p: float | None = None  # deprecated alias of token_weight
 
@@ -101,8 +106,10 @@ class LossConfig:
                 log.warning("loss.%s is deprecated, use loss.%s (taking %s=%s)", old, new, new, value)
                 setattr(self, new, float(value))
                 setattr(self, old, None)
-        if self.noise not in NOISE_MODES:
+        if self.noise is not None and self.noise not in NOISE_MODES:
             raise ValueError(f"loss.noise must be one of {NOISE_MODES}, got {self.noise!r}")
+        if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
+            raise ValueError(f"loss.ttt_steps must be >= 1 and loss.ttt_decay in (0, 1], got {self}")
 
 
 @dataclass
@@ -184,3 +191,5 @@ class TrainConfig:
             raise ValueError(
                 f"eval_every and save_every must be >= 0 (0 = only at the end), got {self.eval_every}, {self.save_every}"
             )
+        if self.loss.noise is None:
+            self.loss.noise = "none" if self.draft.type == "eagle3" else "uniform"

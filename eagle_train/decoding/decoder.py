@@ -12,8 +12,10 @@ Public API (batch size 1):
     result.stats.tau, result.stats.acceptance_by_position, result.stats.to_dict()
 
 `target` is any `TargetModel` (the stock HF model behind `eagle_train.modeling.target.Target`: `decode`
-on a static KV cache); `head` a `DraftModel` (`DraftHead` with the target's embedding / LM head shared;
-None for `ar`). Methods: `ar` plain decoding in this harness (same cache code, one target forward per
+on a static KV cache); `head` a `DraftModel` (`DraftHead` with the target's embedding / LM head shared,
+or `Eagle3Head`: it reads the target's aux features, which `decode` returns for its `aux_layers`, and
+drafts over a reduced vocabulary, its ids mapped to target ids through `vocab_map`; None for `ar`).
+Methods: `ar` plain decoding in this harness (same cache code, one target forward per
 token), `chain`, `eagle1` (the static tree `cfg.tree_paths`), `eagle2` (dynamic tree). The method is
 chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token (in float32;
 below it, up to near-ties: `decoding.identity`);
@@ -59,13 +61,17 @@ class TargetModel(Protocol):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         cache: StaticKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # (logits [1, q, vocab], features [1, q, hidden])
+        aux_layers: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # (logits [1, q, vocab], features [1, q, hidden or 3 hidden])
 
 
 class DraftModel(Protocol):
-    """What the decoder needs from a draft head (eagle_train.modeling.draft.DraftHead provides it)."""
+    """What the decoder needs from a draft head (eagle_train.modeling.draft.DraftHead and
+    eagle_train.modeling.eagle3.Eagle3Head provide it)."""
 
     config: Any  # Llama config: hidden size, attention shape, layers
+    aux_layers: list[int] | None  # the target layers whose inputs it reads; None: the last hidden state
+    vocab_map: torch.Tensor | None  # [draft_vocab] target id of each draft id; None: logits over the target's
 
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
@@ -136,6 +142,9 @@ class SpeculativeDecoder:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
+        self.aux_layers = getattr(head, "aux_layers", None)  # the features the head reads
+        vocab_map = getattr(head, "vocab_map", None)
+        self.vocab_map = None if vocab_map is None else vocab_map.to(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
@@ -234,20 +243,29 @@ class SpeculativeDecoder:
         if depth not in self._plans:  # near the context limit: the tree cut to the room left
             self._plans[depth] = plan_static(self.shape.truncated(depth), self.device)
         sample = self._draft_probs if self.sampling and self.cfg.sample_children else None
-        return expand_static(self._plans[depth], root, root_logp, drafter, sample, self.generator)
+        plan = self._plans[depth]
+        return expand_static(plan, root, root_logp, drafter, sample, self.generator, self.vocab_map)
 
     def _expand_dynamic(self, root: int, root_logp: torch.Tensor, drafter: Drafter, room: int) -> Tree:
         depth = min(self.cfg.depth, room - 1)  # the tree is depth + 1 deep
-        return expand_dynamic(root, root_logp, drafter, depth, self.cfg.top_k, self.cfg.total_tokens)
+        cfg = self.cfg
+        return expand_dynamic(root, root_logp, drafter, depth, cfg.top_k, cfg.total_tokens, self.vocab_map)
 
     def _draft_probs(self, log_probs: torch.Tensor) -> torch.Tensor:
         return process_logits(log_probs, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k_sampling)
 
     # ---- target side ---------------------------------------------------------------------------------
 
-    def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def _target_forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, features=True
+    ):
+        """(logits [q, vocab], the features the head reads [q, width]); `features=False` (plain decoding
+        steps) asks for no aux hidden states."""
         t0 = time.perf_counter()
-        logits, hidden = self.target.decode(tokens.unsqueeze(0), positions.unsqueeze(0), mask, self.cache)
+        aux = self.aux_layers if features else None
+        logits, hidden = self.target.decode(
+            tokens.unsqueeze(0), positions.unsqueeze(0), mask, self.cache, aux
+        )
         if self._sync is not None:
             self._sync()
         self.stats.time_target_forward += time.perf_counter() - t0
@@ -274,7 +292,7 @@ class SpeculativeDecoder:
             length = self.cache.seq_len
             ids = torch.tensor([token], device=self.device)
             logits, _ = self._target_forward(
-                ids, ids.new_tensor([length]), self.mask[None, None, :1, : length + 1]
+                ids, ids.new_tensor([length]), self.mask[None, None, :1, : length + 1], features=False
             )
             self.cache.advance(1)
             token = self._choose(logits[0])

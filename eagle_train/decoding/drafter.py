@@ -1,7 +1,8 @@
 """The draft head at decode time: its KV cache, the per-round catch-up pass and the tree draft step.
 
 The head's input at position j is the pair (f_j, t_{j+1}); its output f^_{j+1} gives the draft
-distribution of t_{j+2}. Committed cache slots hold pairs built from the TARGET's features of accepted
+distribution of t_{j+2} (EAGLE-3: f_j is the target's aux features a_j, the output the draft's state,
+and the distribution is over its draft vocabulary; the decoder maps draft ids to target ids). Committed cache slots hold pairs built from the TARGET's features of accepted
 tokens. Each round starts with `catch_up`: the pairs of last round's accepted tokens + bonus token,
 whose features the verification forward already produced (no extra target forward). Its last output is
 the root's draft state. Tree inputs then go after the committed slots (`__call__`, the `DraftStep` of
@@ -37,7 +38,7 @@ class Drafter:
         )
         self.root = self.hidden[:1]
         # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
-        self.lean = lean_draft.LeanDraft(head, 0) if lean and lean_draft.supports(head) else None
+        self.lean = lean_draft.lean_forward(head) if lean else None
         self.capacity = -1
         self.reset(capacity, stats)
 

@@ -8,6 +8,11 @@ The draft step is any callable `step(tokens, parents, tree_mask, depth) -> log_p
     tree_mask  [m, fed + m] bool which inputs fed so far (these m included, in feed order) each attends to
     returns    [m, vocab]        log-probabilities of each input's children
 
+An EAGLE-3 head's log-probabilities are over its reduced draft vocabulary: `vocab_map` [draft_vocab]
+(the target id of each draft id, d2t + arange) turns the chosen draft ids into the target ids the tree,
+the draft's next inputs and the verification use; a sampled tree keeps q on the draft vocabulary
+(`Tree.draft_vocab` says which target id each column is).
+
 The decoder's step runs the draft head with its KV cache; tests pass scripted stubs. Randomness (for
 sampled children) comes from an injected torch.Generator. Pure torch + stdlib.
 """
@@ -59,19 +64,25 @@ def plan_static(shape: TreeShape, device: torch.device | str = "cpu") -> StaticP
 
 
 def draw_children(
-    log_probs: torch.Tensor,  # [p, vocab]
+    log_probs: torch.Tensor,  # [p, vocab] (or [p, draft_vocab] with vocab_map)
     width: int,
     sample_probs: Callable[[torch.Tensor], torch.Tensor] | None,
     generator: torch.Generator | None,
+    vocab_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Children of p nodes: the top `width` tokens, or `width` i.i.d. draws from q = sample_probs(log_probs).
-    Returns (tokens [p, width], confidence [p, width], q [p, vocab] or None)."""
+    Returns (target token ids [p, width], confidence [p, width], q [p, vocab] or None)."""
     if sample_probs is None:
         top_lp, top_tok = torch.topk(log_probs, width, dim=-1)
-        return top_tok, top_lp.exp(), None
+        return to_target(top_tok, vocab_map), top_lp.exp(), None
     q = sample_probs(log_probs)
     tokens = torch.multinomial(q, width, replacement=True, generator=generator)
-    return tokens, q.gather(-1, tokens), q
+    return to_target(tokens, vocab_map), q.gather(-1, tokens), q
+
+
+def to_target(draft_tokens: torch.Tensor, vocab_map: torch.Tensor | None) -> torch.Tensor:
+    """Draft ids -> target ids (the identity without a reduced vocabulary)."""
+    return draft_tokens if vocab_map is None else vocab_map[draft_tokens]
 
 
 def expand_static(
@@ -81,6 +92,7 @@ def expand_static(
     step: DraftStep,
     sample_probs: Callable[[torch.Tensor], torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    vocab_map: torch.Tensor | None = None,
 ) -> Tree:
     """Fill a static tree: depth by depth, each node's children are its parent's top-ranked (or sampled)
     tokens; every node above the last depth is fed to the draft once. One step call per depth."""
@@ -96,7 +108,9 @@ def expand_static(
     )
     level_lp = root_log_probs.unsqueeze(0)  # [nodes of the previous depth, vocab]
     for d, (lo, hi) in enumerate(plan.levels, start=1):
-        child_tok, child_conf, q = draw_children(level_lp, plan.width[d - 1], sample_probs, generator)
+        child_tok, child_conf, q = draw_children(
+            level_lp, plan.width[d - 1], sample_probs, generator, vocab_map
+        )
         rows, ranks = plan.parent_rows[d - 1], plan.ranks[d - 1]
         tokens[lo:hi] = child_tok[rows, ranks]
         confidence[lo:hi] = child_conf[rows, ranks]
@@ -105,7 +119,13 @@ def expand_static(
             draft_probs[prev_lo : prev_lo + q.shape[0]] = q
         if d < len(plan.levels):  # feed this depth
             level_lp = step(tokens[lo:hi], plan.feed_parents[d - 1], plan.feed_masks[d - 1], d)
-    return replace(template, tokens=tokens, confidence=confidence, draft_probs=draft_probs)
+    return replace(
+        template,
+        tokens=tokens,
+        confidence=confidence,
+        draft_probs=draft_probs,
+        draft_vocab=None if draft_probs is None else vocab_map,
+    )
 
 
 @dataclass
@@ -175,6 +195,7 @@ def expand_dynamic(
     depth: int,
     top_k: int,
     total_tokens: int,
+    vocab_map: torch.Tensor | None = None,
 ) -> Tree:
     """EAGLE-2's dynamic tree. value(node) = sum of draft log-probs along its path. Expand: the root's
     top_k children form depth 1; at each of `depth` steps the top_k highest-value nodes of the newest
@@ -193,6 +214,7 @@ def expand_dynamic(
     k = min(top_k, root_log_probs.shape[-1])
     plan = _dynamic_plan(depth, k, total_tokens, device)
     values, tokens = torch.topk(root_log_probs, k)  # depth 1: the root's children
+    tokens = to_target(tokens, vocab_map)
     cand_values, cand_tokens, cand_lp, picks = [values], [tokens], [values], [plan.first_rows]
     ancestors = torch.eye(depth * k + 2, depth * k, dtype=torch.bool, device=device)
     feed_values, feed_parents = values.unsqueeze(1), plan.first_parents
@@ -202,6 +224,7 @@ def expand_dynamic(
             ancestors[lo:hi, :lo] = ancestors[feed_parents, :lo]
         level_lp = step(tokens, feed_parents, ancestors[lo:hi, :hi], d)  # [k, vocab]
         child_lp, child_tok = torch.topk(level_lp, k, dim=-1)  # [k, k]
+        child_tok = to_target(child_tok, vocab_map)
         child_lp = child_lp.clamp_(max=0.0).view(-1)  # a rounding excess above 0 must not outrank the parent
         level_values = child_lp.view(k, k).add(feed_values).view(-1)  # [k * k]
         child_tok = child_tok.view(-1)

@@ -1,4 +1,4 @@
-"""A lean decode-time forward of the EAGLE draft head (pure torch).
+"""A lean decode-time forward of the EAGLE draft heads (pure torch): EAGLE-1/2 and EAGLE-3.
 
 The head's `forward` (eagle_train.modeling.draft) goes through nn.Module calls, a RoPE module and
 per-call mask building; at decode time on a CPU that per-call overhead is most of a draft step. This is
@@ -6,8 +6,8 @@ the same computation as a few fused tensor ops: one projection gives q, k, v and
 is then one multiply-add against a table precomputed for every position), keys and values are written
 to the cache in one copy, gate/up is one projection, the residual adds ride in the output projections'
 addmm, and there are no module calls. Used by `decoding.drafter.Drafter` when the head is a
-Llama-style head with SiLU MLPs (the EAGLE head); `tests/decoding/test_lean_draft.py` checks it against
-`DraftHead.forward`.
+Llama-style head with SiLU MLPs (`lean_forward` picks `LeanDraft` for the EAGLE-1/2 head, `LeanEagle3`
+for the EAGLE-3 one); `tests/decoding/test_lean_draft.py` checks both against the heads' `forward`.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def _rotate_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat([-w[:, half:], w[:, :half]], dim=1).reshape(weight.shape)
 
 
-def _layer_weights(layer, head_dim: int) -> _LayerWeights:
+def _layer_weights(layer, head_dim: int, input_norm: bool = True) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-    norm = getattr(layer, "input_layernorm", None)
+    norm = getattr(layer, "input_layernorm", None) if input_norm else None
     proj = torch.cat(
         [
             q.weight,
@@ -86,6 +86,17 @@ def _layer_weights(layer, head_dim: int) -> _LayerWeights:
     )
 
 
+def lean_forward(head, max_positions: int = 0):
+    """The lean forward of `head` (`LeanDraft` or `LeanEagle3`), or None when `supports` says no."""
+    if not supports(head):
+        return None
+    return (
+        LeanEagle3(head, max_positions)
+        if getattr(head, "kind", "eagle1") == "eagle3"
+        else LeanDraft(head, max_positions)
+    )
+
+
 class LeanDraft:
     """`forward(tokens, features, positions, mask, cache) -> hidden`, equal to `DraftHead.forward`."""
 
@@ -99,10 +110,13 @@ class LeanDraft:
         self.lm_head = head.lm_head.weight
         transform = getattr(head, "logit_transform", None)  # the target's output processing
         self.logit_transform = None if transform is None or transform.identity else transform
-        self.layers = [_layer_weights(layer, self.head_dim) for layer in head.layers]
+        self.layers = self._layers(head)
         self.rotary_emb = head.rotary_emb
         self.cos = self.sin = torch.empty(0)
         self.extend_positions(max_positions)
+
+    def _layers(self, head) -> list[_LayerWeights]:
+        return [_layer_weights(layer, self.head_dim) for layer in head.layers]
 
     @torch.no_grad()
     def extend_positions(self, max_positions: int) -> None:
@@ -176,4 +190,46 @@ class LeanDraft:
         logits = F.linear(hidden, self.lm_head)
         if self.logit_transform is not None:
             logits = self.logit_transform(logits)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+class LeanEagle3(LeanDraft):
+    """`forward(tokens, features, positions, mask, cache) -> state`, equal to `Eagle3Head.forward`:
+    fc (after fc_norm) only on features wider than d, [norm(embedding) ; norm(h)] into the midlayer's
+    fused projection, the residual from h; `log_probs` over the draft vocabulary."""
+
+    @torch.no_grad()
+    def __init__(self, head, max_positions: int):
+        super().__init__(head, max_positions)
+        layer = head.midlayer
+        self.width = int(head.config.hidden_size)
+        self.fc_norms = None if head.fc_norm is None else [n.weight for n in head.fc_norm]
+        self.embed_norm, self.hidden_norm = layer.input_layernorm.weight, layer.hidden_norm.weight
+        self.final_norm, self.norm_output = head.norm.weight, head.norm_output
+
+    def _layers(self, head) -> list[_LayerWeights]:
+        return [_layer_weights(head.midlayer, self.head_dim, input_norm=False)]
+
+    def forward(self, tokens, features, positions, mask, cache) -> torch.Tensor:
+        """The draft state [m, d] (see `LeanDraft.forward`)."""
+        h = features
+        if h.shape[-1] != self.width:
+            if self.fc_norms is not None:
+                chunks = h.chunk(len(self.fc_norms), dim=-1)
+                h = torch.cat([self._norm(c, w) for c, w in zip(chunks, self.fc_norms, strict=True)], dim=-1)
+            h = F.linear(h, self.fc)
+        w = self.layers[0]
+        embeds = F.embedding(tokens, self.embed).to(h.dtype)
+        x = torch.cat([self._norm(embeds, self.embed_norm), self._norm(h, self.hidden_norm)], dim=-1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = torch.addmm(h, self._attention(0, w, x, cos, sin, mask, cache), w.o_t)
+        if w.o_bias is not None:
+            h = h + w.o_bias
+        gate, up = F.linear(self._norm(h, w.post_norm), w.gate_up).chunk(2, dim=-1)
+        h = torch.addmm(h, F.silu(gate) * up, w.down_t)
+        return self._norm(h, self.final_norm) if self.norm_output else h
+
+    def log_probs(self, state: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [..., draft_vocab] through the head's own LM head."""
+        logits = F.linear(state if self.norm_output else self._norm(state, self.final_norm), self.lm_head)
         return torch.log_softmax(logits.float(), dim=-1)

@@ -37,6 +37,9 @@ class Tree:
     attention_mask: torch.Tensor
     draft_probs: torch.Tensor | None = None  # [n, vocab] q at each node if its children were SAMPLED from q
     confidence: torch.Tensor | None = None  # [n] draft probability of each node given its parent (root: 1)
+    # [draft_vocab] the target id of each column of draft_probs when q lives on a reduced draft vocabulary
+    # (EAGLE-3); None: draft_probs columns are target ids
+    draft_vocab: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

@@ -10,6 +10,8 @@ Sampling (lossless; recursive rejection sampling over the children of the curren
     p <- p with x zeroed, renormalised, and try the next child.
 When every child is rejected (or the node is a leaf) the bonus token is drawn from the residual p.
 Either way the emitted tokens are distributed exactly as the target's (processed) distribution.
+A q over a reduced draft vocabulary (EAGLE-3, `Tree.draft_vocab`) is q on the target vocabulary with
+zero mass outside the kept tokens: it is placed there first, and the same rule stays exact.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
     return float(torch.rand((), generator=generator, device=device))
 
 
+def on_target_vocab(tree: Tree, node: int, vocab_size: int) -> torch.Tensor:
+    """The draft distribution q of a sampled node [vocab] (float64), moved from the draft vocabulary to
+    the target ids `tree.draft_vocab` when it lives on a reduced one."""
+    q = tree.draft_probs[node].double()
+    if tree.draft_vocab is None:
+        return q
+    return q.new_zeros(vocab_size).index_copy_(0, tree.draft_vocab, q)
+
+
 def accept_sampling(
     tree: Tree, target_probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[list[int], int]:
@@ -68,7 +79,7 @@ def accept_sampling(
     path, node = [0], 0
     while True:
         p = target_probs[node].double()
-        q = None if tree.draft_probs is None else tree.draft_probs[node].double()
+        q = None if tree.draft_probs is None else on_target_vocab(tree, node, p.shape[-1])
         accepted = None
         for child in tree.children[node]:
             x = tokens[child]

@@ -1,8 +1,10 @@
 """Draft-head checkpoints in the serving layout: `model.safetensors` + `config.json`.
 
-The weights are the head's own (fc.*, layers.*): no embedding, no LM head. config.json is the draft's
-Llama config (the target's shapes, `num_hidden_layers` = the head's layers) plus an `eagle_train`
-block: the target it was trained for, fc bias, training max length. Writes are atomic.
+The weights are the head's own: EAGLE-1/2 fc.*, layers.* (no embedding, no LM head); EAGLE-3 fc.*,
+midlayer.*, norm, its own lm_head, d2t, t2d (no embedding). config.json is the draft's Llama config
+(the target's shapes, `num_hidden_layers` = the head's layers; EAGLE-3 also its architecture, draft
+vocabulary and aux layer ids, eagle_train.modeling.eagle3) plus an `eagle_train` block: the head type,
+the target it was trained for, fc bias, training max length. Writes are atomic.
 """
 
 from __future__ import annotations
@@ -19,16 +21,26 @@ from transformers import LlamaConfig
 
 from eagle_train.files import atomic_write_dir, read_json
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.eagle3 import (
+    EAGLE3_FIELDS,
+    Eagle3Head,
+    eagle3_config_fields,
+    eagle3_from_config,
+    is_eagle3_config,
+    recorded_aux_layers,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def head_config_dict(head: DraftHead, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def head_config_dict(head: DraftHead | Eagle3Head, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json content: the draft Llama config plus this project's `eagle_train` block."""
     config = head.config.to_dict()
     config["architectures"] = ["LlamaForCausalLM"]
-    config["eagle_train"] = {"fc_bias": head.fc.bias is not None, **(meta or {})}
+    if head.kind == "eagle3":
+        config.update(eagle3_config_fields(head))
+    config["eagle_train"] = {"type": head.kind, "fc_bias": head.fc.bias is not None, **(meta or {})}
     return config
 
 
@@ -43,7 +55,7 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None
             )
 
 
-def save_head(head: DraftHead, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
+def save_head(head: DraftHead | Eagle3Head, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
     """Atomically write the head's weights and config to `out_dir`; ValueError for non-finite weights
     (nothing is written), OSError when the write fails (a full disk)."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.trainable_state_dict().items()}
@@ -61,7 +73,9 @@ def save_head(head: DraftHead, out_dir: str | Path, meta: dict[str, Any] | None 
     return Path(out_dir)
 
 
-def load_head(path: str | Path, device: torch.device | str = "cpu") -> tuple[DraftHead, dict[str, Any]]:
+def load_head(
+    path: str | Path, device: torch.device | str = "cpu"
+) -> tuple[DraftHead | Eagle3Head, dict[str, Any]]:
     """Load a head written by `save_head`. Returns (head without the shared weights filled, meta).
 
     Call `head.share_target_weights(target)` before use.
@@ -72,13 +86,18 @@ def load_head(path: str | Path, device: torch.device | str = "cpu") -> tuple[Dra
         if not f.is_file():
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
     raw = read_json(config_file, "draft head config")
+    eagle3 = is_eagle3_config(raw)
     meta = raw.pop("eagle_train", {})
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
-    head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)))
+    dropped = ("architectures", "model_type", *(EAGLE3_FIELDS if eagle3 else ()))
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
+    if eagle3:
+        head = eagle3_from_config(config, raw, recorded_aux_layers(raw))
+    else:
+        head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)))
     state = load_file(str(weights_file))
     check_finite(state, weights_file)
     missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k.startswith(("fc.", "layers."))]
+    missing = [k for k in missing if k in head.trainable_state_dict()]
     if missing or unexpected:
         raise ValueError(
             f"draft checkpoint {weights_file}: missing keys {missing}, unexpected keys {unexpected}"

@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import (
 
 from eagle_train.kv_cache import attention_shape
 from eagle_train.logits import LogitTransform
+from eagle_train.unroll import DiagonalCache
 
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
@@ -76,9 +77,11 @@ def draft_llama_config(target_config: PretrainedConfig, num_layers: int = 1) -> 
 
 
 class DraftAttention(nn.Module):
-    """Grouped-query self-attention with RoPE and an optional external KV cache."""
+    """Grouped-query self-attention with RoPE and an optional external KV cache; q/k/v read inputs of
+    `in_features` (the hidden size; EAGLE-3: twice that, [embedding ; feature]). A `DiagonalCache`
+    (training-time test, chain metrics) computes the attention itself."""
 
-    def __init__(self, config: LlamaConfig, layer_idx: int):
+    def __init__(self, config: LlamaConfig, layer_idx: int, in_features: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -86,9 +89,10 @@ class DraftAttention(nn.Module):
         self.head_dim = config.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        width = in_features or d
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
 
     def forward(
@@ -103,6 +107,9 @@ class DraftAttention(nn.Module):
         k = self.k_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        if isinstance(cache, DiagonalCache):
+            out = cache.attend(self.layer_idx, q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         groups = self.num_heads // self.num_kv_heads
@@ -194,3 +201,8 @@ class DraftHead(nn.Module):
         """Draft logits through the target's LM head and output processing: [..., hidden] -> [..., vocab]
         (in the LM head's dtype, which may be the working bf16 while the trained weights are float32)."""
         return self.logit_transform(self.lm_head(hidden.to(self.lm_head.weight.dtype)))
+
+    # The head protocol the decoder, the metrics and the trainer read (eagle_train.modeling.eagle3 too):
+    kind = "eagle1"
+    aux_layers = None  # features: the target's last hidden state, not the inputs of some layers
+    vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)

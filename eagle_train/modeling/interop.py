@@ -20,6 +20,8 @@ What each consumer really loads (read from their loaders):
   carries that key.
 No layout has `layers.0.input_layernorm` or `lm_head`. Every config.json gets an `eagle_train` block
 with the target's id and the training maximum length, so a server or a user can warn beyond it.
+EAGLE-3 heads (their own layouts, and the `speculators` one) are written and read by
+`eagle_train.modeling.eagle3_layout`; `export_head` and `load_draft` hand them over.
 
 Export never deletes what it did not write: an output directory that exists and is not empty must be an
 earlier export of the same format (then it is replaced whole, atomically), or `overwrite=True` writes this
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +48,9 @@ from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("vllm", "sglang", "eagle")
+FORMATS = ("vllm", "sglang", "eagle", "speculators")
 BIN_NAME = "pytorch_model.bin"
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle", "eagle": "LlamaForCausalLM"}
-EAGLE3_KEYS = re.compile(r"^(model\.)?(midlayer\.|d2t$|t2d$)")
 # Llama config fields a head's config.json carries (the rest of a target's config is noise here).
 CONFIG_FIELDS = (
     "vocab_size",
@@ -74,6 +75,7 @@ LAYOUT_FILES = {
     "vllm": (CONFIG_NAME, WEIGHTS_NAME),
     "sglang": (CONFIG_NAME, WEIGHTS_NAME),
     "eagle": (CONFIG_NAME, BIN_NAME),
+    "speculators": (CONFIG_NAME, WEIGHTS_NAME),
 }
 
 
@@ -101,7 +103,7 @@ def llama_config_dict(head: DraftHead, dtype: torch.dtype) -> dict[str, Any]:
     config.update(rope_fields(head.config))
     config.update(
         model_type="llama",
-        num_hidden_layers=len(head.layers),
+        num_hidden_layers=int(head.config.num_hidden_layers),
         tie_word_embeddings=False,
         use_cache=True,
         torch_dtype=TORCH_DTYPE_NAMES[dtype],
@@ -185,14 +187,15 @@ def export_head(
     embed_tokens: torch.Tensor | None = None,  # [vocab, hidden]: required for format=eagle
     dtype: torch.dtype | None = None,
     fold_bias: bool = True,
+    speculative_tokens: int = 3,  # format=speculators: K, the draft tokens vLLM proposes per step
     overwrite: bool = False,
 ) -> Path:
-    """Atomically write `head` to `out_dir` in the layout `fmt` (vllm | sglang | eagle) loads.
+    """Atomically write `head` to `out_dir` in the layout `fmt` (vllm | sglang | eagle | speculators) loads.
 
     vllm: a trained fc bias is folded into layer 0 (`fold_bias=True`) or refused. eagle: needs the
-    target's input embedding (the reference loads it strictly from the head's file). An existing
-    non-empty `out_dir` is refused unless it is an earlier `fmt` export or `overwrite` is set
-    (`check_export_dir`).
+    target's input embedding (the reference loads it strictly from the head's file). speculators:
+    EAGLE-3 heads only (the format has no EAGLE-1 type). An existing non-empty `out_dir` is refused
+    unless it is an earlier `fmt` export or `overwrite` is set (`check_export_dir`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
@@ -200,6 +203,19 @@ def export_head(
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")
     dtype = dtype or head.fc.weight.dtype
+    if head.kind == "eagle3":
+        from eagle_train.modeling.eagle3_layout import eagle3_writer  # it builds on this module's helpers
+
+        llama = llama_config_dict(head, dtype)
+        info = {**(meta or {}), "format": fmt, "fc_bias": False}
+        if fmt == "eagle":
+            llama = reference_config(llama, False)
+        if fmt == "sglang":
+            check_sglang_representable(llama)
+        write = eagle3_writer(head, fmt, llama, info, dtype, embed_tokens, speculative_tokens)
+        return publish_export(out_dir, fmt, write, replace_whole)
+    if fmt == "speculators":
+        raise ValueError("format=speculators has no EAGLE-1 head type; export with format=vllm")
     state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in head.trainable_state_dict().items()}
     config = llama_config_dict(head, dtype)
     fc_bias = "fc.bias" in state
@@ -241,6 +257,12 @@ def export_head(
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
+    return publish_export(out_dir, fmt, write, replace_whole)
+
+
+def publish_export(out_dir: Path, fmt: str, write: Callable[[Path], None], replace_whole: bool) -> Path:
+    """`write(dir)`'s files at `out_dir`, atomically: the whole directory replaced (`replace_whole`), or
+    written into it, removing only an earlier export's own weights (`check_export_dir` decided which)."""
     if replace_whole:
         atomic_write_dir(out_dir, write)
         return out_dir
@@ -321,13 +343,9 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     raise FileNotFoundError(f"draft head {path}: no weights ({WEIGHTS_NAME} or {BIN_NAME})")
 
 
-def head_state(raw: dict[str, torch.Tensor], file: Path, arch: list[str]) -> dict[str, torch.Tensor]:
+def head_state(raw: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
     """fc.* and layers.* (a `model.` prefix stripped); embed_tokens/lm_head dropped (the target's are
-    used); an EAGLE-3 head refused."""
-    if any(EAGLE3_KEYS.match(k) for k in raw) or any("Eagle3" in a for a in arch):
-        raise ValueError(
-            f"{file}: this is an EAGLE-3 head (midlayer/d2t/t2d keys); only EAGLE-1/2 heads are supported yet"
-        )
+    used)."""
     state = {}
     for key, value in raw.items():
         key = key.removeprefix("model.")
@@ -341,8 +359,9 @@ def head_state(raw: dict[str, torch.Tensor], file: Path, arch: list[str]) -> dic
     return state
 
 
-def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> LlamaConfig:
-    """The head's Llama config from its config.json; the layer count is taken from the weights."""
+def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor] | None = None) -> LlamaConfig:
+    """The head's Llama config from its config.json; the layer count is taken from the weights (EAGLE-3
+    heads, `state` None: one layer, the midlayer)."""
     kwargs = {k: raw[k] for k in CONFIG_FIELDS if raw.get(k) is not None}
     if raw.get("rope_parameters"):
         kwargs["rope_parameters"] = raw["rope_parameters"]
@@ -352,7 +371,8 @@ def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> LlamaCon
             kwargs["rope_scaling"] = raw["rope_scaling"]
     if "qkv_bias" in raw and not kwargs.get("attention_bias"):
         raise ValueError("config.json: qkv_bias (q/k/v biases without o_proj) is not supported")
-    kwargs["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    layers = [int(k.split(".")[1]) for k in state or {} if k.startswith("layers.")]
+    kwargs["num_hidden_layers"] = 1 + max(layers, default=0)
     shape = attention_shape(kwargs)
     kwargs.update(head_dim=shape.head_dim, num_key_value_heads=shape.kv_heads)
     return LlamaConfig(**kwargs, tie_word_embeddings=False)
@@ -409,12 +429,13 @@ def warn_other_target(path: Path, meta: dict[str, Any], target) -> None:
         log.warning("draft head %s: %s", path, why)
 
 
-def load_draft(path: str | Path, target, device: torch.device | str | None = None) -> DraftHead:
-    """Load an EAGLE-1/2 draft head for `target` (a `Target`) from this project's checkpoint, any
-    exported layout, or a reference head (pytorch_model.bin or model.safetensors + config.json).
+def load_draft(path: str | Path, target, device: torch.device | str | None = None):
+    """Load a draft head for `target` (a `Target`) from this project's checkpoint, any exported layout,
+    or a reference head (pytorch_model.bin or model.safetensors + config.json): EAGLE-1/2 heads
+    (`DraftHead`) and EAGLE-3 heads (`Eagle3Head`: the reference's, SpecForge's, speculators').
 
-    The target's embedding and LM head are shared into the head; it is returned in eval mode on the
-    target's device and dtype (or `device`).
+    The target's embedding (EAGLE-1/2: and LM head) is shared into the head; it is returned in eval mode
+    on the target's device and dtype (or `device`).
     """
     path = Path(path)
     if not path.is_dir():
@@ -427,7 +448,14 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from err
     raw_state, file = read_weights(path)
-    state = head_state(raw_state, file, list(raw_config.get("architectures") or []))
+    from eagle_train.modeling.eagle3_layout import flat_config, is_eagle3, load_eagle3
+
+    if is_eagle3(raw_config, raw_state):
+        check_finite(raw_state, file)
+        head = load_eagle3(raw_config, raw_state, file, target, head_config(flat_config(raw_config)))
+        warn_other_target(path, raw_config.get("eagle_train", {}), target)
+        return head.to(device or target.device, target.dtype).eval()
+    state = head_state(raw_state, file)
     config = head_config(raw_config, state)
     check_matches_target(config, state, target, file)
     check_finite(state, file)

@@ -13,7 +13,7 @@ head_dim D is the same function with head_dim N = r * D when, per head (q, k and
   2, exact in floating point).
 
 `widen_state` applies this to any state dict (a target's `model.layers.N.self_attn.*` or a draft head's
-`layers.N.self_attn.*`); `widen_model_dir` writes a re-expressed target directory (config, weights,
+`layers.N.self_attn.*`, an EAGLE-3 head's `midlayer.self_attn.*`); `widen_model_dir` writes a re-expressed target directory (config, weights,
 tokenizer); `widen_head` returns a re-expressed draft head. Only RoPE whose frequencies depend on the
 frequency alone (default, linear, llama3) re-expresses exactly; others are refused.
 
@@ -37,6 +37,7 @@ from transformers import LlamaConfig
 from eagle_train.files import atomic_write_dir
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.eagle3 import Eagle3Head
 
 ATTENTION_KEY = re.compile(r"(^|\.)self_attn\.([qkvo])_proj\.(weight|bias)$")
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
@@ -156,14 +157,19 @@ def widen_model_dir(source: str | Path, out_dir: str | Path, new_head_dim: int =
 
 
 @torch.no_grad()
-def widen_head(head: DraftHead, new_head_dim: int) -> DraftHead:
-    """The draft head re-expressed with `new_head_dim` (same outputs; `head` itself if it has that head_dim)."""
+def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | Eagle3Head:
+    """The draft head (EAGLE-1/2 or EAGLE-3: its midlayer's attention the same way) re-expressed with
+    `new_head_dim` (same outputs; `head` itself if it has that head_dim)."""
     config_dict = head.config.to_dict()
     head_dim = check_exact(config_dict)
     if head_dim == new_head_dim:
         return head
     config = LlamaConfig(**{**config_dict, "head_dim": new_head_dim})
-    wide = DraftHead(config, fc_bias=head.fc.bias is not None)
+    wide = (
+        head.with_config(config)
+        if head.kind == "eagle3"
+        else DraftHead(config, fc_bias=head.fc.bias is not None)
+    )
     wide.load_state_dict(widen_state(head.trainable_state_dict(), head_dim, new_head_dim), strict=False)
     wide.share_target_weights(head)  # a head carries the target's embedding, LM head and logit processing
     return wide.to(head.fc.weight.dtype).train(head.training)

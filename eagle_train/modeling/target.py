@@ -2,7 +2,9 @@
 
 `load_target` loads any Hugging Face causal LM (local directory or hub id) frozen and in eval mode;
 `Target.features` returns the logits and the last hidden state, the LM head's input (EAGLE's feature
-f_j). This module and `draft.py` are the only importers of `transformers` in the package.
+f_j); `Target.aux_hidden_states` adds EAGLE-3's features, the inputs of the decoder layers
+`Target.aux_layers` concatenated (Hugging Face's `hidden_states[i]` is the input of layer i, pre-norm,
+the same as vLLM's and SGLang's aux hidden state i). Only `modeling/*` imports `transformers`.
 
 Decode time (used by `eagle_train.decoding.decoder`): `Target.new_cache` preallocates a `StaticKVCache`;
 `Target.decode` runs the stock model on new tokens with explicit position ids and a 4-D boolean
@@ -35,7 +37,7 @@ from transformers import (
 )
 
 from eagle_train.config.base import resolve_path
-from eagle_train.config.target import TargetConfig
+from eagle_train.config.target import TargetConfig, resolve_aux_layers
 from eagle_train.kv_cache import StaticKVCache, attention_shape
 from eagle_train.logits import LogitTransform
 
@@ -161,6 +163,15 @@ class Target:
         return self.logit_transform(self.lm_head(hidden))
 
     @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @functools.cached_property
+    def aux_layers(self) -> list[int]:
+        """EAGLE-3's feature layers: `target.aux_layers` checked against this target, or the default."""
+        return resolve_aux_layers(self.cfg.aux_layers, self.num_layers)
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
@@ -227,6 +238,17 @@ class Target:
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
 
+    @torch.no_grad()
+    def aux_hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden state [batch, seq, hidden] and the inputs of `layers` concatenated in that
+        order [batch, seq, len(layers) * hidden] (EAGLE-3's features), from one forward."""
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True
+        )
+        return out.last_hidden_state, select_layers(out.hidden_states, layers)
+
     @property
     def attention(self) -> str:
         """The model's own attention implementation (its decoder's: a composite model's text model)."""
@@ -270,16 +292,20 @@ class Target:
         position_ids: torch.Tensor,  # [1, q]: their positions (prefix length + depth for a tree)
         attention_mask: torch.Tensor,  # bool [1, 1, q, cache.seq_len + q], True = attend
         cache: StaticKVCache,
+        aux_layers: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward of the stock model over new tokens. Their keys/values are written after
         the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
-        Returns (logits [1, q, vocab], hidden [1, q, hidden]); hidden is the feature f (after the norm)."""
+        Returns (logits [1, q, vocab], features): the last hidden state [1, q, hidden] (EAGLE-1's f,
+        after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3)."""
         attention = self.decode_attention
         if attention == "eager":
             zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
             attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
         decoder, cache_kwarg, lm_head = self._decode_modules
         kwargs = {cache_kwarg: HFCacheView(cache)}
+        if aux_layers is not None:
+            kwargs["output_hidden_states"] = True
         with attention_implementation(decoder.config, attention):
             out = decoder(
                 input_ids=input_ids,
@@ -290,7 +316,8 @@ class Target:
             )
         hidden = out.last_hidden_state
         logits = lm_head(hidden)
-        return (logits if self.logit_transform.identity else self.logit_transform(logits)), hidden
+        logits = logits if self.logit_transform.identity else self.logit_transform(logits)
+        return logits, hidden if aux_layers is None else select_layers(out.hidden_states, aux_layers)
 
     @functools.cached_property
     def _decode_modules(self) -> tuple[nn.Module, str, nn.Module]:
@@ -298,6 +325,12 @@ class Target:
         signature check and `get_output_embeddings` cost tens of microseconds per forward."""
         decoder = self.decoder
         return decoder, _cache_kwarg(type(decoder)), self.lm_head
+
+
+def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
+    """Hugging Face's `hidden_states` (index i < L: the input of layer i) -> the chosen inputs
+    concatenated along the hidden axis [batch, seq, len(layers) * hidden]."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 @contextlib.contextmanager

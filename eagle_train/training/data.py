@@ -1,8 +1,9 @@
 """Training data for the draft head: held-out split by id, batch plans and collation.
 
-A *source* is any sequence of samples {"id", "input_ids" [L], "loss_mask" [L], "hidden" [L, d]?}
-with `lengths` and `ids` (the feature store, or tokenized conversations in online mode, where the
-frozen target fills "hidden" at collation). Batches are lists of sample indices; an epoch's plan is
+A *source* is any sequence of samples {"id", "input_ids" [L], "loss_mask" [L], "hidden" [L, d]?,
+"aux" [L, 3d]?} with `lengths` and `ids` (the feature store, or tokenized conversations in online mode,
+where the frozen target fills "hidden" and "aux" at collation); `tokens(i)` gives a sample's ids and
+loss mask alone. Batches are lists of sample indices; an epoch's plan is
 a pure function of (lengths, seed, epoch), so a run resumes from (epoch, cursor) alone.
 """
 
@@ -28,6 +29,8 @@ class Source(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> dict[str, Any]: ...
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def split_by_id(
@@ -86,10 +89,18 @@ def collate(
 
     Right padding needs no attention mask: a causal head never attends from a real position to a
     later padded one, and padded positions carry loss_mask False.
-    Returns input_ids [b, n], features [b, n, d], target_hidden [b, n, d], target_ids [b, n],
-    loss_mask [b, n], positions [b] (real head positions per row).
+    Returns input_ids [b, n], features [b, n, d] (EAGLE-3 samples with "aux": [b, n, 3d]),
+    target_hidden [b, n, d], target_ids [b, n], loss_mask [b, n], positions [b] (real head positions per row).
     """
-    shifted = [shift_sequence(s["input_ids"], s["loss_mask"], s["hidden"].to(feature_dtype)) for s in samples]
+    shifted = [
+        shift_sequence(
+            s["input_ids"],
+            s["loss_mask"],
+            s["hidden"].to(feature_dtype),
+            s["aux"].to(feature_dtype) if "aux" in s else None,
+        )
+        for s in samples
+    ]
     batch = {key: pad_stack([s[key] for s in shifted]) for key in shifted[0]}
     batch["positions"] = torch.tensor([s["input_ids"].shape[0] for s in shifted])
     return batch
@@ -97,15 +108,19 @@ def collate(
 
 def online_collate(
     samples: Sequence[dict[str, Any]],
-    hidden_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    features_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Online mode: run the frozen target (`hidden_fn(ids [b, L], mask [b, L]) -> [b, L, d]`) on the
-    right-padded batch, then collate as if the features came from the store."""
+    """Online mode: run the frozen target (`features_fn(ids [b, L], mask [b, L]) -> {"hidden" [b, L, d],
+    "aux" [b, L, 3d] (EAGLE-3 only)}`) on the right-padded batch, then collate as if the features came
+    from the store."""
     ids = pad_stack([s["input_ids"].long() for s in samples]).to(device)
     attention = pad_stack([torch.ones_like(s["input_ids"], dtype=torch.long) for s in samples]).to(device)
-    hidden = hidden_fn(ids, attention).float().cpu()  # [b, L, d]
-    filled = [{**s, "hidden": hidden[row, : s["input_ids"].shape[0]]} for row, s in enumerate(samples)]
+    states = {k: v.float().cpu() for k, v in features_fn(ids, attention).items()}  # [b, L, *]
+    filled = [
+        {**s, **{k: v[row, : s["input_ids"].shape[0]] for k, v in states.items()}}
+        for row, s in enumerate(samples)
+    ]
     return collate(filled)
 
 

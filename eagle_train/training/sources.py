@@ -49,18 +49,28 @@ def source_identity(target: Target, hf_config, data: dict[str, Any]) -> dict[str
     }
 
 
-def open_store(path: Path | None, target: Target, hf_config) -> tuple[FeatureStore, dict[str, Any]]:
+def open_store(
+    path: Path | None, target: Target, hf_config, aux_layers: list[int] | None = None
+) -> tuple[FeatureStore, dict[str, Any]]:
     """The feature store at `path`, refused (StoreMismatchError naming the field) unless it was
-    extracted from this target. Its structure is checked when it is opened, each shard's checksum when
-    it is first read (eagle_train.store.FeatureStore)."""
+    extracted from this target and, for an EAGLE-3 head (`aux_layers`), holds the inputs of exactly
+    those layers. Its structure is checked when it is opened, each shard's checksum when it is first
+    read (eagle_train.store.FeatureStore)."""
     if path is None:
         raise ValueError("offline training needs `features=DIR`")
     try:
-        store = FeatureStore(path, target_identity(target, hf_config))
+        store = FeatureStore(path, target_identity(target, hf_config), aux=aux_layers is not None)
     except StoreMismatchError as err:
         raise StoreMismatchError(
             f"{err} (extracted from another model, or by an older version: re-extract it)"
         ) from None
+    if aux_layers is not None and store.aux_layers != aux_layers:
+        held = f"the inputs of target layers {store.aux_layers}" if store.aux_layers else "no aux layers"
+        raise StoreMismatchError(
+            f"feature store {path} holds {held}; draft.type=eagle3 needs the inputs of layers {aux_layers} "
+            f"(target.aux_layers): extract with aux=true target.aux_layers={aux_layers}, or train online "
+            "(data.source=online)"
+        )
     if len(store) == 0:
         raise DataError(f"feature store {path}: no samples")
     return store, checkpoint_identity(target, hf_config)
@@ -86,6 +96,10 @@ class TokenizedSource:
             "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool),  # [L]
         }
 
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sample = self[i]
+        return sample["input_ids"], sample["loss_mask"]
+
 
 def open_online(cfg: TrainConfig, target: Target, hf_config) -> tuple[TokenizedSource, dict[str, Any]]:
     """Load, clean and tokenize cfg.data exactly as extraction does (same template, same max_len)."""
@@ -95,3 +109,15 @@ def open_online(cfg: TrainConfig, target: Target, hf_config) -> tuple[TokenizedS
     if len(dataset) == 0:
         raise DataError(f"{cfg.data.path}: no conversation left to train on after tokenization")
     return TokenizedSource(dataset), checkpoint_identity(target, hf_config)
+
+
+def online_features(target: Target, aux_layers: list[int] | None):
+    """The target forward of online collation: {"hidden"} (+ "aux", the inputs of `aux_layers`)."""
+
+    def features(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        if aux_layers is None:
+            return {"hidden": target.hidden_states(ids, mask)}
+        hidden, aux = target.aux_hidden_states(ids, mask, aux_layers)
+        return {"hidden": hidden, "aux": aux}
+
+    return features

@@ -84,10 +84,7 @@ def train_head(target, steps: int = 250, seq_len: int = 128, batch: int = 8, lr:
 def _train(target, steps, seq_len, batch, lr):
     from eagle_train.modeling.draft import DraftHead
 
-    text = (DATA / "tinystories" / "tinystories_val_head.txt").read_text()
-    ids = torch.tensor(target.tokenizer(text[:60_000])["input_ids"])
-    n = (ids.numel() // seq_len) * seq_len
-    rows = ids[:n].view(-1, seq_len)
+    rows = _tinystories_rows(target, seq_len)
     logits, feats = target.features(rows)  # [rows, seq, vocab], [rows, seq, hidden]
     head = DraftHead.from_target(target.config)
     head.share_target_weights(target)
@@ -110,3 +107,72 @@ def _train(target, steps, seq_len, batch, lr):
 @pytest.fixture(scope="session")
 def trained_head(target):
     return train_head(target)
+
+
+@pytest.fixture(scope="session")
+def random_eagle3_head(target):
+    """An untrained EAGLE-3 head (fixed seed) over a 256-token draft vocabulary (the most frequent ids
+    of the TinyStories text), reading the target's layers 1, 2, 4."""
+    from eagle_train.modeling.eagle3 import Eagle3Head
+
+    torch.manual_seed(2)
+    head = Eagle3Head.from_target(target.config, target.aux_layers, 256)
+    head.set_vocabulary(_tinystories_vocabulary(target, 256), target.lm_head.weight)
+    head.share_target_weights(target)
+    return head.eval()
+
+
+def _tinystories_rows(target, seq_len: int = 128) -> torch.Tensor:
+    text = (DATA / "tinystories" / "tinystories_val_head.txt").read_text()
+    ids = torch.tensor(target.tokenizer(text[:60_000])["input_ids"])
+    n = (ids.numel() // seq_len) * seq_len
+    return ids[:n].view(-1, seq_len)
+
+
+def _tinystories_vocabulary(target, size: int) -> torch.Tensor:
+    from eagle_train.vocab import count_assistant_tokens, top_tokens
+
+    rows = _tinystories_rows(target)
+    counts = count_assistant_tokens(
+        ((r, torch.ones_like(r, dtype=torch.bool)) for r in rows), target.vocab_size
+    )
+    return top_tokens(counts, size)
+
+
+def train_eagle3_head(
+    target, steps: int = 200, batch: int = 8, lr: float = 3e-3, vocab: int = 256, seed: int = 0
+):
+    """A small EAGLE-3 head trained with the package's own objective (training-time test of 3 steps,
+    soft CE over a 256-token draft vocabulary) on the target's features of TinyStories text."""
+    from eagle_train.config.train import LossConfig
+    from eagle_train.modeling.eagle3 import Eagle3Head
+    from eagle_train.training.data import collate
+    from eagle_train.training.objective import Eagle3Objective
+
+    torch.manual_seed(seed)
+    rows = _tinystories_rows(target)
+    hidden, aux = target.aux_hidden_states(rows, None, target.aux_layers)
+    head = Eagle3Head.from_target(target.config, target.aux_layers, vocab)
+    head.set_vocabulary(_tinystories_vocabulary(target, vocab), target.lm_head.weight)
+    head.share_target_weights(target)
+    objective = Eagle3Objective(
+        LossConfig(ttt_steps=3, noise="none"), target.lm_head.weight, target.logit_transform, head
+    )
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
+    mask = torch.ones(rows.shape[1], dtype=torch.bool)
+    for _ in range(steps):
+        pick = torch.randint(0, rows.shape[0], (batch,)).tolist()
+        samples = [
+            {"input_ids": rows[i], "loss_mask": mask, "hidden": hidden[i], "aux": aux[i]} for i in pick
+        ]
+        b = objective.prepare(collate(samples))
+        loss = objective.loss(objective.sums(head, b, None), objective.normalisers(b))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3_head(target):
+    return train_eagle3_head(target)

@@ -54,13 +54,13 @@ def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(counts.flatten().numpy(), (expected.flatten() * n).numpy()).pvalue)
 
 
-def make_tree(kind: str, draft, generator):
+def make_tree(kind: str, draft, generator, vocab_map=None):
     if kind == "dynamic":
-        return expand_dynamic(ROOT, draft.root_log_probs(), draft, depth=2, top_k=3, total_tokens=8)
+        return expand_dynamic(ROOT, draft.root_log_probs(), draft, 2, 3, 8, vocab_map)
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     plan = plan_static(shape_from_paths(paths))
     sample = (lambda lp: lp.exp()) if kind == "sampled" else None
-    return expand_static(plan, ROOT, draft.root_log_probs(), draft, sample, generator)
+    return expand_static(plan, ROOT, draft.root_log_probs(), draft, sample, generator, vocab_map)
 
 
 @pytest.mark.parametrize("kind", ["topk", "sampled", "dynamic"])
@@ -79,6 +79,46 @@ def test_sampling_is_lossless_on_a_stub(scripted_draft, kind):
         a, b = first_two_tokens(tree, g)
         counts[a, b] += 1
     assert chi_square_p(counts, exact_joint()) > 1e-3
+
+
+DRAFT_VOCAB = torch.tensor([0, 2, 4])  # EAGLE-3: the draft proposes 3 of the 5 tokens only
+
+
+@pytest.mark.parametrize("kind", ["topk", "sampled", "dynamic"])
+def test_sampling_with_a_reduced_draft_vocabulary_is_lossless(scripted_draft, kind):
+    """q lives on the draft vocabulary (ids 0..2 = target tokens 0, 2, 4); the target puts mass on
+    tokens 1 and 3 too, which no draft can propose: the emitted tokens must still follow p exactly."""
+    g = torch.Generator().manual_seed(321)
+    counts = torch.zeros(VOCAB, VOCAB)
+    draft = scripted_draft(ROOT, len(DRAFT_VOCAB), scale=1.0)
+    static_tree = make_tree(kind, draft, g, DRAFT_VOCAB) if kind != "sampled" else None
+    for _ in range(4000):
+        if static_tree is None:
+            draft.reset()
+            tree = make_tree(kind, draft, g, DRAFT_VOCAB)
+            assert tree.draft_probs.shape[-1] == 3 and torch.equal(tree.draft_vocab, DRAFT_VOCAB)
+        else:
+            tree = static_tree
+        assert set(tree.token_list[1:]) <= {0, 2, 4}  # draft ids mapped to target ids
+        a, b = first_two_tokens(tree, g)
+        counts[a, b] += 1
+    assert counts[1].sum() > 0 and counts[3].sum() > 0  # tokens outside the draft vocabulary are emitted
+    assert chi_square_p(counts, exact_joint()) > 1e-3
+
+
+def test_a_reduced_q_read_as_a_full_one_is_caught(scripted_draft):
+    """Control: treating q's draft-vocabulary columns as target ids (no mapping) biases the output."""
+    g = torch.Generator().manual_seed(11)
+    draft = scripted_draft(ROOT, len(DRAFT_VOCAB), scale=1.0)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for _ in range(4000):
+        draft.reset()
+        tree = make_tree("sampled", draft, g, DRAFT_VOCAB)
+        tree.draft_vocab = None
+        tree.draft_probs = torch.cat([tree.draft_probs, torch.zeros(tree.size, 2)], 1)  # columns 0..2 as ids
+        a, b = first_two_tokens(tree, g)
+        counts[a, b] += 1
+    assert chi_square_p(counts, exact_joint()) < 1e-3
 
 
 def test_the_chi_square_bound_detects_a_biased_sampler(scripted_draft):

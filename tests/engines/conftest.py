@@ -116,3 +116,25 @@ def fresh_dir(name: str) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def run_in_vllm(name: str, runs: dict, engine_python, wide_target_dir, wide_target, prompts):
+    """One vLLM invocation of `runs` (name -> speculative_config or None) on the head_dim-32 target, the
+    engine tests' prompts and limits, its work files in runs/engine_tests/<name>."""
+    import time
+
+    from eagle_train.engines.vllm_engine import run_vllm
+
+    start = time.perf_counter()
+    result = run_vllm(
+        wide_target_dir,
+        prompts,
+        runs,
+        fresh_dir(name),
+        max_tokens=MAX_NEW_TOKENS,
+        stop_token_ids=wide_target.stop_token_ids,
+        max_model_len=wide_target.max_len,
+        python=str(engine_python),
+    )
+    print(f"{name}: {len(runs)} runs in {time.perf_counter() - start:.0f} s (vllm {result.version})")
+    return result

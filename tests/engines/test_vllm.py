@@ -29,7 +29,6 @@ from eagle_train.engines.vllm_engine import (
     EngineMismatch,
     agreement_problems,
     check_agreement,
-    run_vllm,
     run_vllm_server,
     speculative_config,
 )
@@ -38,7 +37,7 @@ from eagle_train.evaluate import run as evaluate
 from eagle_train.export import run as export
 from eagle_train.report import spec_counts
 from tests.conftest import REPO_ROOT
-from tests.engines.conftest import HEAD_DIM, MAX_NEW_TOKENS, WORK, fresh_dir, read_json
+from tests.engines.conftest import HEAD_DIM, MAX_NEW_TOKENS, WORK, fresh_dir, read_json, run_in_vllm
 
 pytestmark = pytest.mark.engine
 
@@ -94,19 +93,7 @@ def vllm_result(engine_python, wide_target_dir, wide_target, exports, prompts):
     runs = {"ar": None, **{f"chain{k}": speculative_config(exports["vllm"], k) for k in KS}}
     for name in ("unfolded", "missing_key", "wrong_hidden_size", "sglang"):
         runs[name] = speculative_config(exports[name], CONTROL_K)
-    start = time.perf_counter()
-    result = run_vllm(
-        wide_target_dir,
-        prompts,
-        runs,
-        fresh_dir("vllm"),
-        max_tokens=MAX_NEW_TOKENS,
-        stop_token_ids=wide_target.stop_token_ids,
-        max_model_len=wide_target.max_len,
-        python=str(engine_python),
-    )
-    print(f"vLLM: {len(runs)} runs in {time.perf_counter() - start:.0f} s (vllm {result.version})")
-    return result
+    return run_in_vllm("vllm", runs, engine_python, wide_target_dir, wide_target, prompts)
 
 
 @pytest.fixture(scope="session")

@@ -149,6 +149,22 @@ def test_engine_python_paths(tmp_path, monkeypatch):
     }
 
 
+def test_an_eagle3_head_is_given_to_vllm_as_eagle3(tmp_path):
+    """vLLM's method follows the exported head: its architecture, or the speculators type."""
+    import json
+
+    for name, config in (
+        ("vllm", {"architectures": ["LlamaForCausalLMEagle3"]}),
+        ("speculators", {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}),
+        ("eagle1", {"architectures": ["LlamaForCausalLM"]}),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert speculative_config(tmp_path / "vllm", 2)["method"] == "eagle3"
+    assert speculative_config(tmp_path / "speculators", 2)["method"] == "eagle3"
+    assert speculative_config(tmp_path / "eagle1", 2)["method"] == "eagle"
+
+
 def test_engine_section_side_by_side_and_flags(tmp_path):
     records = []
     for i, b in enumerate(BUILTIN):

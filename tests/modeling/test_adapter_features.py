@@ -58,6 +58,69 @@ def test_random_models_hidden_is_lm_head_input(tmp_path, config_cls, model_cls):
     shutil.rmtree(tmp_path)
 
 
+def _layer_inputs(target, ids):
+    """The input of every decoder layer, captured by forward pre-hooks on the stock modules."""
+    captured = {}
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: captured.__setitem__(
+                i, (args[0] if args else kwargs["hidden_states"])
+            ),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(target.decoder.layers)
+    ]
+    try:
+        target.hidden_states(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def test_aux_hidden_states_are_the_inputs_of_the_chosen_layers(target):
+    """EAGLE-3's features: the pre-norm INPUT of layers low/mid/high (vLLM's and SGLang's aux hidden
+    state i), next to the last hidden state; the shallow default for 5 layers is distinct."""
+    ids = torch.tensor([[1, 403, 407, 261, 378, 432, 383, 286, 261]])
+    inputs = _layer_inputs(target, ids)
+    assert target.aux_layers == [1, 2, 4]
+    hidden, aux = target.aux_hidden_states(ids, None, [4, 0, 2])
+    assert aux.shape == (1, 9, 3 * 64)
+    assert torch.equal(aux, torch.cat([inputs[4], inputs[0], inputs[2]], -1))
+    assert torch.equal(hidden, target.hidden_states(ids))
+
+
+def test_decode_returns_the_aux_features_of_new_tokens(target):
+    ids = torch.tensor([[1, 403, 407, 261, 378, 432]])
+    _, aux = target.aux_hidden_states(ids, None, target.aux_layers)
+    cache = target.new_cache(16)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    logits, feats = target.decode(
+        ids[:, :4], torch.arange(4)[None], causal[:, :, :4, :4], cache, target.aux_layers
+    )
+    cache.advance(4)
+    _, more = target.decode(
+        ids[:, 4:], torch.arange(4, 6)[None], causal[:, :, 4:, :6], cache, target.aux_layers
+    )
+    torch.testing.assert_close(torch.cat([feats, more], 1), aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, target.features(ids[:, :4])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_aux_layers_are_checked_against_the_target(target_cfg):
+    from dataclasses import replace
+
+    from eagle_train.config.target import default_aux_layers, reference_aux_layers, resolve_aux_layers
+
+    assert reference_aux_layers(32) == default_aux_layers(32) == [2, 16, 29]
+    assert reference_aux_layers(5) == [2, 2, 2] and default_aux_layers(5) == [1, 2, 4]
+    assert default_aux_layers(6) == [1, 3, 5] and default_aux_layers(3) == [0, 1, 2]
+    assert resolve_aux_layers([0, 3, 4], 5) == [0, 3, 4]
+    with pytest.raises(ValueError, match=r"ids \[5\] are not layers of this 5-layer target"):
+        resolve_aux_layers([1, 2, 5], 5)
+    with pytest.raises(ValueError, match="3 layer ids"):
+        replace(target_cfg, aux_layers=[1, 2])
+
+
 @pytest.mark.parametrize("path", ["/no/such/model", "runs/models/missing", "./missing", ""])
 def test_a_missing_local_target_path_is_named_not_sent_to_the_hub(path):
     """16.11: a local path that does not exist used to come back as a hub error about a repository id."""

@@ -8,8 +8,8 @@ from torch import nn
 from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from eagle_train.metrics import ChainCache
 from eagle_train.modeling.draft import DraftHead, draft_llama_config
+from tests.reference import ChainCache
 
 
 def _gqa_config() -> LlamaConfig:

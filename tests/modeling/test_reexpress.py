@@ -94,3 +94,22 @@ def test_cli_defaults_to_the_configured_target(tmp_path, capsys):
     assert "head_dim 32" in capsys.readouterr().out
     assert json.loads((tmp_path / "wide" / "config.json").read_text())["head_dim"] == 32
     assert (tmp_path / "wide" / "tokenizer.json").is_file()
+
+
+def test_eagle3_head_outputs_equal_and_decoding_identical(target, wide_target):
+    """The EAGLE-3 midlayer's attention (q/k/v over 2d inputs) re-expresses the same way; its own LM
+    head, norms, fc and d2t/t2d are kept as they are."""
+    from tests.modeling.test_eagle3_layout import make_head as make_eagle3_head
+    from tests.modeling.test_eagle3_layout import outputs
+
+    head = make_eagle3_head(target, fc_norm=True, norm_output=True)
+    wide = widen_head(head, 32)
+    assert wide.kind == "eagle3" and wide.config.head_dim == 32 and wide.aux_layers == head.aux_layers
+    assert wide.midlayer.self_attn.q_proj.weight.shape == (256, 128) and torch.equal(wide.d2t, head.d2t)
+    logits, tokens = outputs(wide)
+    torch.testing.assert_close(logits, outputs(head)[0], rtol=0, atol=1e-5)
+    cfg = DecodeConfig(method="chain", chain_length=3, max_new_tokens=24)
+    narrow = SpeculativeDecoder(target, head, cfg).generate(PROMPTS[1])
+    widened = SpeculativeDecoder(wide_target, wide, cfg).generate(PROMPTS[1])
+    assert widened.tokens == narrow.tokens
+    assert widened.stats.accepted_per_round == narrow.stats.accepted_per_round

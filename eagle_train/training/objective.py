@@ -1,0 +1,181 @@
+"""What one training step computes, per head type, behind one small interface the trainer calls.
+
+An objective turns a collated micro-batch into named SUMS (loss terms with gradients, counts without)
+and forms the loss from the sums and the GLOBAL normalisers of the optimizer step (all micro-batches,
+all processes), so the loss does not depend on how a step is split. The pure formulas live in
+`eagle_train.loss`; the unroll of EAGLE-3's training-time test in `eagle_train.unroll`.
+
+    objective.prepare(batch)              derived no-grad fields (EAGLE-3: the target's greedy tokens)
+    objective.normalisers(batch)          [c] this micro-batch's share of the step's normalisers
+    objective.sums(model, batch, g)       {term: tensor} (g: the noise generator, None at evaluation)
+    objective.loss(sums, normalisers)     the scalar to backpropagate
+    objective.summary(totals)             the logged averages of summed terms (train windows, eval)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from eagle_train.config.train import LossConfig
+from eagle_train.logits import LogitTransform
+from eagle_train.loss import (
+    add_feature_noise,
+    combine_terms,
+    combine_ttt_terms,
+    eagle_loss_sums,
+    shift_left,
+    ttt_loss_sums,
+)
+from eagle_train.unroll import unroll
+
+
+class Objective(Protocol):
+    terms: tuple[str, ...]  # the summed terms, in the order they are reduced across processes
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def normalisers(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def sums(self, model, batch, generator: torch.Generator | None) -> dict[str, torch.Tensor]: ...
+
+    def loss(self, sums: dict[str, torch.Tensor], normalisers: torch.Tensor) -> torch.Tensor: ...
+
+    def summary(self, totals: dict[str, float]) -> dict[str, float]: ...
+
+
+class EagleObjective:
+    """EAGLE-1/2: feature_weight * SmoothL1 + token_weight * CE at the masked positions (noise on the
+    input features when a generator is given)."""
+
+    terms = ("smooth_l1", "ce", "correct", "tokens")
+
+    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform):
+        self.cfg, self.lm_weight, self.transform = cfg, target_lm_head, transform
+
+    def prepare(self, batch):
+        return batch
+
+    def normalisers(self, batch):
+        return batch["loss_mask"].sum().float().reshape(1)
+
+    def sums(self, model, batch, generator):
+        features = noisy_features(batch, self.cfg, generator)
+        pred = model(batch["input_ids"], features)  # [b, n, d] f^_{j+1}
+        return eagle_loss_sums(
+            pred,
+            batch["target_hidden"],
+            self.lm_weight,
+            batch["target_ids"],
+            batch["loss_mask"],
+            self.cfg.soft,
+            transform=self.transform,
+        )
+
+    def loss(self, sums, normalisers):
+        return combine_terms(sums, normalisers[0], self.cfg.feature_weight, self.cfg.token_weight)["loss"]
+
+    def summary(self, totals):
+        tokens = totals["tokens"]
+        terms = combine_terms(  # float64 sums: the logged averages keep the precision of the reduced sums
+            {k: torch.tensor(totals[k], dtype=torch.float64) for k in ("smooth_l1", "ce")},
+            tokens,
+            self.cfg.feature_weight,
+            self.cfg.token_weight,
+        )
+        return {**{k: float(v) for k, v in terms.items()}, "top1": totals["correct"] / max(tokens, 1.0)}
+
+
+class Eagle3Objective:
+    """EAGLE-3: the head unrolled `ttt_steps` times over its own outputs; step k's soft CE against the
+    target's distribution over the draft vocabulary at the assistant positions whose token is kept,
+    weighted ttt_decay^k; accuracy per step against the target's greedy token."""
+
+    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head):
+        self.cfg, self.lm_weight, self.transform, self.head = cfg, target_lm_head, transform, head
+        self.steps = cfg.ttt_steps
+        self.terms = tuple(
+            f"{name}_{k}" for k in range(self.steps) for name in ("ce", "correct", "tokens", "positions")
+        )
+
+    @torch.no_grad()
+    def prepare(self, batch):
+        """Adds `greedy` [b, n]: the target's greedy token argmax(lm_head(f_{j+1})) at the masked
+        positions (it decides the soft loss's mask and every accuracy), and `labels` (soft: greedy;
+        hard: the data token t_{j+2})."""
+        mask = batch["loss_mask"].bool()
+        greedy = torch.zeros_like(batch["target_ids"])
+        greedy[mask] = self.transform(batch["target_hidden"][mask].float() @ self.lm_weight.float().T).argmax(
+            -1
+        )
+        return {**batch, "greedy": greedy, "labels": greedy if self.cfg.soft else batch["target_ids"]}
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        """[vocab] bool, read from the head each time (a resumed run restores its vocabulary)."""
+        return self.head.t2d.to(self.lm_weight.device)
+
+    def _trainable(self, batch, k: int) -> torch.Tensor:
+        return shift_left(batch["loss_mask"].bool() & self.t2d[batch["labels"]], k, False)
+
+    def normalisers(self, batch):
+        return torch.stack([self._trainable(batch, k).sum().float() for k in range(self.steps)])
+
+    def sums(self, model, batch, generator):
+        features = noisy_features(batch, self.cfg, generator)
+        head = getattr(model, "module", model)  # the logits of a DDP/DeepSpeed-wrapped head
+        draft_ids, t2d, sums = head.vocab_map.to(self.lm_weight.device), self.t2d, {}
+        for k, state in enumerate(unroll(model, batch["input_ids"], features, self.steps)):
+            step = ttt_loss_sums(
+                state,
+                head.logits,
+                shift_left(batch["target_hidden"], k, 0.0),
+                self.lm_weight,
+                draft_ids,
+                t2d,
+                shift_left(batch["labels"], k, 0),
+                shift_left(batch["greedy"], k, -1),
+                shift_left(batch["loss_mask"], k, False),
+                self.cfg.soft,
+                None if self.transform.identity else self.transform,
+            )
+            sums.update({f"{name}_{k}": value for name, value in step.items()})
+        return sums
+
+    def loss(self, sums, normalisers):
+        ce = [sums[f"ce_{k}"] for k in range(self.steps)]
+        return combine_ttt_terms(ce, list(normalisers), self.cfg.ttt_decay)["loss"]
+
+    def summary(self, totals):
+        steps = range(self.steps)
+        terms = combine_ttt_terms(
+            [torch.tensor(totals[f"ce_{k}"], dtype=torch.float64) for k in steps],
+            [totals[f"tokens_{k}"] for k in steps],
+            self.cfg.ttt_decay,
+        )
+        out = {k: float(v) for k, v in terms.items()}
+        out["ce"] = out["ce_step1"]
+        for k in steps:
+            out[f"ttt_acc_step{k + 1}"] = totals[f"correct_{k}"] / max(totals[f"positions_{k}"], 1.0)
+        out["top1"] = out["ttt_acc_step1"]
+        out["vocab_coverage"] = totals["tokens_0"] / max(totals["positions_0"], 1.0)
+        return out
+
+
+def noisy_features(batch, cfg: LossConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """The micro-batch's input features, with the configured noise when a generator is given (each
+    sequence's tokens = its head positions + 1)."""
+    if generator is None:
+        return batch["features"]
+    return add_feature_noise(batch["features"], cfg.noise, cfg.noise_scale, generator, batch["positions"] + 1)
+
+
+def make_objective(
+    kind: str, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head
+) -> Objective:
+    """The objective of a head type (`head.kind`): `target_lm_head` is the frozen target LM head
+    [vocab, d] (EAGLE-1: the head's own copy of it), `transform` the target's output processing."""
+    if kind == "eagle3":
+        return Eagle3Objective(cfg, target_lm_head, transform, head)
+    return EagleObjective(cfg, target_lm_head, transform)
