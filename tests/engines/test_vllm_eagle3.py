@@ -73,7 +73,9 @@ def eagle3_exports(eagle3_ckpt) -> dict:
     )
     layers = shutil.copytree(vllm, root / "other_layers")
     config = read_json(layers / "config.json")
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 2, 2]  # vLLM's default for 5 layers
+    # three other distinct layers (vLLM collects the aux states per layer id: a repeated id, such as its
+    # own default [2, 2, 2] for 5 layers, gives fewer than three and fails its reshape)
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 3]
     (layers / "config.json").write_text(json.dumps(config))
     no_map = shutil.copytree(vllm, root / "identity_d2t")
     state = load_file(str(no_map / "model.safetensors"))
