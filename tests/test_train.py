@@ -18,8 +18,9 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.entry import compose
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
-from eagle_train.shard import ShardFile
-from eagle_train.store import StoreError, StoreMismatchError, shard_name
+from eagle_train.store.manifest import StoreError, StoreMismatchError
+from eagle_train.store.shard import ShardFile
+from eagle_train.store.writer import shard_name
 from eagle_train.train import run
 from eagle_train.training.optim import NonFiniteError
 from tests.conftest import STORIES260K, TINY_SHAPE, reseal
@@ -174,6 +175,39 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, he
     a = load_file(str(tmp_path / "whole" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "parts" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_offline_training_never_builds_the_target_and_no_state_holds_frozen_tensors(
+    tiny_store, tmp_path, monkeypatch
+):
+    """Section 14.1: offline training reads the target's config, embedding and LM head only (the whole
+    model is never loaded), and neither the checkpoint nor accelerate's training state holds them."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("offline training loaded the whole target")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    out = tmp_path / "run"
+    run(make_cfg(tiny_store, out, "max_steps=2", "save_every=2", "eval_every=0", "loader_workers=0"))
+    state_dir = out / "checkpoints" / "step_0000002" / "training_state"
+    assert list(state_dir.glob("model*.safetensors"))  # accelerate's copy of the model's state
+    for file in [*state_dir.glob("*.safetensors"), out / "final" / "model.safetensors"]:
+        keys = set(load_file(str(file)))
+        assert keys and all(k.startswith(("fc.", "layers.")) for k in keys), (file, sorted(keys)[:4])
+    # the state is the head's own size (~53.6K parameters, fp32), not the vocabulary's (512 x 64 each)
+    assert sum(f.stat().st_size for f in state_dir.glob("model*.safetensors")) < 250_000
+
+
+@pytest.mark.slow
+def test_the_loader_workers_give_the_in_loop_run_exactly(tiny_store, tmp_path):
+    """Section 14.2: micro-batches read ahead by DataLoader workers are the in-loop ones, in the same order."""
+    args = ("max_steps=6", "log_every=1", "eval_every=0", "save_every=0", "grad_accum=2")
+    run(make_cfg(tiny_store, tmp_path / "loop", *args, "loader_workers=0"))
+    run(make_cfg(tiny_store, tmp_path / "workers", *args, "loader_workers=2", "loader_prefetch=2"))
+    loop = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "loop") if "loss" in m}
+    workers = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "workers") if "loss" in m}
+    assert list(loop) == list(range(1, 7)) and workers == loop
 
 
 @pytest.mark.slow
