@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "offline+bucketed": ["bucket=true"],
-    "offline, read in the loop": ["bucket=true", "loader_workers=0"],
+    "offline+read-in-loop": ["bucket=true", "loader_workers=0"],
     "offline+unbucketed": ["bucket=false"],
     "online+bucketed": ["bucket=true", "data.source=online"],
 }
