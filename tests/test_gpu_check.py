@@ -32,7 +32,8 @@ def test_gpu_check_runs_on_the_cpu_at_a_tiny_shape(tmp_path):
     assert set(extraction["tokens_per_s"]) == {"bare forward", "extract bf16", "extract fp8"}
     assert extraction["extract_vs_bare_forward"] > 0
     assert result["training"]["tokens_per_s"] > 0 and result["training"]["peak_host_mb"] > 0
-    assert set(result["decoding"]) == {"ar", "chain", "eagle1", "eagle2"}
-    assert all(d["ms_per_round"] > 0 for d in result["decoding"].values())
+    methods = {k: v for k, v in result["decoding"].items() if k != "section_seconds"}
+    assert set(methods) == {"ar", "chain", "eagle1", "eagle2"}
+    assert all(d["ms_per_round"] > 0 for d in methods.values())
     assert set(result["checks"]) >= {"bf16_greedy_identity", "flash_attention_decoding", "loss_memory"}
     assert result["ok"], result["checks"]
