@@ -229,7 +229,7 @@ def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
         prepare_out_dir(tmp_path, IDENTITY, overwrite=False)
     with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[0, 2, 4\], found \[1, 2, 4\]"):
         prepare_out_dir(tmp_path, {**IDENTITY, "aux_layers": [0, 2, 4]}, overwrite=False)
-    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[1, 2, 4\], found None"):
+    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[1, 2, 4\], found '<missing>'"):
         prepare_out_dir(plain, identity, overwrite=False)
 
 
