@@ -425,3 +425,29 @@ def test_an_fp8_store_on_a_torch_without_float8_names_the_manifest_and_field(tmp
     monkeypatch.setattr(codec, "float8_dtype", lambda: None)
     with pytest.raises(StoreError, match=r"manifest.json: dtype: dtype=fp8 needs torch.float8_e4m3fn"):
         FeatureStore(tmp_path)
+
+
+def test_an_eagle3_fp8_store_scales_each_aux_state_alone(tmp_path):
+    """EAGLE-3's aux features [L, 3 * hidden] in fp8: one scale per token per hidden state (three per
+    row), so a quiet layer's state is not rounded on a loud one's scale; the hidden states as in EAGLE-1."""
+    gen = torch.Generator().manual_seed(3)
+    samples = make_samples([6, 9])
+    for s in samples:  # the three states at very different magnitudes, as low / mid / high layers are
+        states = [torch.randn(len(s["input_ids"]), HIDDEN, generator=gen) * m for m in (0.01, 1.0, 300.0)]
+        s["aux"] = torch.cat(states, dim=-1)
+    identity = {**IDENTITY, "dtype": "fp8", "aux_layers": [1, 2, 4]}
+    prepare_out_dir(tmp_path, identity, overwrite=False)
+    write_shard(
+        tmp_path, 0, samples, "fp8", 512, extra={"start": 0, "stop": 2, "store": store_hash(identity)}
+    )
+    write_manifest(tmp_path, identity, [(0, 2)], {}, "h")
+    store = FeatureStore(tmp_path, aux=True)
+    for i, s in enumerate(samples):
+        got = store[i]
+        assert got["aux"].dtype == torch.float8_e4m3fn and got["aux_scale"].shape == (len(s["input_ids"]), 3)
+        back = decode(got["aux"], got["aux_scale"], torch.float32)
+        ref = s["aux"]
+        for k in range(3):  # each state within e4m3's relative step of its own values
+            part, want = back[:, k * HIDDEN : (k + 1) * HIDDEN], ref[:, k * HIDDEN : (k + 1) * HIDDEN]
+            scale = want.abs().amax(-1, keepdim=True)
+            assert bool(((part - want).abs() <= want.abs() / 16 + scale / 448).all()), k
