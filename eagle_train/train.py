@@ -141,8 +141,6 @@ def frozen_dtype(accelerator: Accelerator) -> torch.dtype:
     )
 
 
-
-
 def train_step(
     model,
     batches: list[dict[str, torch.Tensor]],  # the head's batches on the device (RunData.to_head)

@@ -11,9 +11,10 @@ downloaded); its config, tokenizer (stories260K's, the ids fed are random) and i
     extraction   tokens/s of extraction (bf16 and fp8 stores, written as `python -m eagle_train.extract`
                  writes them) against the bare target forward over the same batches (goal >= 80%)
     training     tokens/s and peak memory (GPU: torch.cuda.max_memory_allocated, also less the resident
-                 random target's bytes; CPU: VmHWM) of offline
-                 EAGLE-1 training (`eagle_train.train.run`, bf16 mixed precision on the GPU, DataLoader
-                 workers) on a store of random features of the target's width
+                 random target's bytes; CPU: VmHWM) of offline training (`eagle_train.train.run`, bf16
+                 mixed precision on the GPU, DataLoader workers) of an EAGLE-1 head (`training`) and an
+                 EAGLE-3 head (`training_eagle3`: three aux states per token, the default unroll) on a
+                 store of random features of the target's width
     decoding     per round of ar / chain / EAGLE-1 (mc_sim_7b_63) / EAGLE-2 (60 tokens, depth 5, top-k 10):
                  wall ms, draft ms and verify ms (the decoder's own timers), with a seeded random head
     checks       eagle_train.checks on stories260K: bf16 greedy identity (near-ties only), flash-attention
@@ -143,17 +144,22 @@ def peak_host_mb() -> float:
     return int(status["VmHWM"].split()[0]) / 1024
 
 
-def training(target: Target, size: dict, device: str, work: Path) -> dict:
-    """Offline EAGLE-1 training on random features of the target's width: tokens/s and peak memory."""
+def training(target: Target, size: dict, device: str, work: Path, head: str) -> dict:
+    """Offline training of an EAGLE-1 or EAGLE-3 head on random features of the target's width (EAGLE-3:
+    its three aux states too): tokens/s and peak memory."""
     lengths = [int(len(r["input_ids"])) for r in random_rows(target, size)]
-    store = write_random_store(work / "store", target, load_target_config(target.cfg), lengths)
+    aux_layers = target.aux_layers if head == "eagle3" else None
+    store = write_random_store(
+        work / f"store-{head}", target, load_target_config(target.cfg), lengths, aux_layers=aux_layers
+    )
     steps = size["steps"]
     overrides = [
         f"target.path={target.cfg.path}",
         f"target.name={target.cfg.name}",
         "target.dtype=bfloat16",
+        f"draft.type={head}",
         f"features={store}",
-        f"out_dir={work / 'train'}",
+        f"out_dir={work / f'train-{head}'}",
         f"max_steps={steps}",
         f"log_every={max(steps // 3, 1)}",
         "eval_every=0",
@@ -172,10 +178,10 @@ def training(target: Target, size: dict, device: str, work: Path) -> dict:
     start = time.perf_counter()
     train(cfg)
     seconds = time.perf_counter() - start
-    lines = [json.loads(x) for x in (work / "train" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (work / f"train-{head}" / "metrics.jsonl").read_text().splitlines()]
     rates = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m]
     return {
-        "head": "eagle1",
+        "head": head,
         "steps": steps,
         "max_tokens": cfg.max_tokens,
         "max_batch_size": cfg.max_batch_size,
@@ -242,7 +248,8 @@ def target_sections(target: Target, size: dict, device: str, work: Path) -> dict
     sections = {}
     for name, fn in (
         ("extraction", lambda: extraction(target, size)),
-        ("training", lambda: training(target, size, device, work)),
+        ("training", lambda: training(target, size, device, work, "eagle1")),
+        ("training_eagle3", lambda: training(target, size, device, work, "eagle3")),
         ("decoding", lambda: decoding(target, size, device)),
     ):
         start = time.perf_counter()

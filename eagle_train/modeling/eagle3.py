@@ -24,7 +24,13 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_train.config.target import NUM_AUX_LAYERS
-from eagle_train.modeling.draft import DraftAttention, FrozenParts, KVCache, draft_llama_config, frozen_modules
+from eagle_train.modeling.draft import (
+    DraftAttention,
+    FrozenParts,
+    KVCache,
+    draft_llama_config,
+    frozen_modules,
+)
 from eagle_train.vocab import d2t_from_t2d, draft_ids
 
 
@@ -82,7 +88,9 @@ class Eagle3Head(FrozenParts, nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config)
         # The target's, frozen and not registered (modeling.draft.FrozenParts): with `target` (anything with
         # `embed_tokens`), its own tensor; else a random one until `share_target_weights`.
-        embed = target.embed_tokens.weight if target is not None else nn.Embedding(config.vocab_size, d).weight
+        embed = (
+            target.embed_tokens.weight if target is not None else nn.Embedding(config.vocab_size, d).weight
+        )
         self.hold_frozen(frozen_modules(embed.detach()))
         # The draft vocabulary (`set_vocabulary`); until then the first draft_vocab_size ids.
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))

@@ -5,7 +5,8 @@ weights) without downloading a model: built in memory on any device, or saved as
 
 Shapes: `llama-3-8b` (Llama-3-8B: 32 layers, d 4096, GQA 32/8, MLP 14336, vocab 128256), `llama-1b-32k`
 (Llama-3.2-1B's layers with a 32000 vocabulary: 16 layers, d 2048, GQA 32/8, MLP 8192, untied: 1.1B
-parameters), `tiny` (2 layers, d 64: the same code in a test). The tokenizer is the shipped stories260K's
+parameters), `tiny` (4 layers, the fewest an EAGLE-3 head's three distinct feature layers take at their
+default spread; d 64: the same code in a test). The tokenizer is the shipped stories260K's
 (the ids these benchmarks feed are random, below its vocabulary).
 """
 
@@ -32,7 +33,7 @@ SHAPES = {
         tie_word_embeddings=False,
     ),
     "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
     ),
 }  # fmt: skip

@@ -25,14 +25,18 @@ def write_random_store(
     dtype: str = "bfloat16",
     seed: int = 0,
     shard_bytes: int = 256 << 20,
+    aux_layers: list[int] | None = None,
 ) -> Path:
     """Samples of `lengths` tokens (random ids below the vocabulary, every token in the loss, features
-    N(0, 1)) for `target` (a Target or FrozenTarget) in `dtype`, as complete store at `out_dir`."""
+    N(0, 1); with `aux_layers` EAGLE-3's aux features too) for `target` (a Target or FrozenTarget) in
+    `dtype`, as a complete store at `out_dir`."""
     out_dir = Path(out_dir)
     data = {"name": "synthetic", "path": f"synthetic-seed{seed}", "sha256": f"synthetic-seed{seed}"}
-    identity = store_identity(target, hf_config, dtype, "synthetic", max(lengths), data)
+    identity = store_identity(
+        target, hf_config, dtype, "synthetic", max(lengths), data, aux_layers=aux_layers
+    )
     prepare_out_dir(out_dir, identity, overwrite=True)
-    widths = feature_widths(target.hidden_size)
+    widths = feature_widths(target.hidden_size, aux_layers)
     row_bytes = 2 * sum(widths.values())
     plan = plan_shards(lengths, row_bytes, None, shard_bytes)
     generator = torch.Generator().manual_seed(seed)
@@ -42,7 +46,10 @@ def write_random_store(
                 "id": f"synthetic_{i}",
                 "input_ids": torch.randint(0, target.vocab_size, (lengths[i],), generator=generator).tolist(),
                 "loss_mask": [1] * lengths[i],
-                "hidden": torch.randn(lengths[i], widths["hidden"], generator=generator),
+                **{
+                    name: torch.randn(lengths[i], width, generator=generator)
+                    for name, width in widths.items()
+                },
             }
             for i in range(start, stop)
         ]
