@@ -19,8 +19,9 @@ pytestmark = pytest.mark.engine
 CONVERSATIONS = 20
 
 
-def extract_with(backend: str, target_dir, out_dir, engine_python) -> FeatureStore:
+def extract_with(backend: str, target_dir, out_dir, engine_python, aux: bool = False) -> FeatureStore:
     overrides = [
+        f"aux={str(aux).lower()}",
         f"target.path={target_dir}",
         "target.name=stories260k-hd32",
         f"data.limit={CONVERSATIONS}",
@@ -29,22 +30,27 @@ def extract_with(backend: str, target_dir, out_dir, engine_python) -> FeatureSto
         f"backend={backend}",
         f"vllm.python={engine_python}",
     ]
-    return FeatureStore(extract(to_schema(compose("extract", overrides=overrides), ExtractConfig)))
+    return FeatureStore(extract(to_schema(compose("extract", overrides=overrides), ExtractConfig)), aux=aux)
 
 
-def test_vllm_features_equal_the_hf_stores(wide_target_dir, engine_python, tmp_path):
-    hf = extract_with("hf", wide_target_dir, tmp_path / "hf", engine_python)
-    vllm = extract_with("vllm", wide_target_dir, tmp_path / "vllm", engine_python)
+@pytest.mark.parametrize("aux", [False, True], ids=["eagle1", "eagle3"])
+def test_vllm_features_equal_the_hf_stores(wide_target_dir, engine_python, tmp_path, aux):
+    """EAGLE-3 (aux=true): vLLM's own layer inputs (`eagle_aux_hidden_state_layer_ids`) are the HF
+    store's aux features, as the hidden states are."""
+    hf = extract_with("hf", wide_target_dir, tmp_path / "hf", engine_python, aux)
+    vllm = extract_with("vllm", wide_target_dir, tmp_path / "vllm", engine_python, aux)
     assert vllm.manifest["backend"] == "vllm" and "backend" not in hf.manifest
     assert vllm.ids == hf.ids and len(vllm) == CONVERSATIONS
+    assert vllm.aux_layers == hf.aux_layers == ([1, 2, 4] if aux else [])
     for i in range(len(hf)):
         ours, theirs = hf[i], vllm[i]
         assert torch.equal(ours["input_ids"], theirs["input_ids"])
         assert torch.equal(ours["loss_mask"], theirs["loss_mask"])
-        a, b = ours["hidden"].float(), theirs["hidden"].float()
-        # within two bf16 steps of each value (the stored dtype rounds both: 2^-7 relative)
-        assert ((a - b).abs() <= 2 * 2**-7 * a.abs().clamp_min(1.0)).all(), i
-        assert float((a - b).norm() / a.norm()) < 1e-3, i
+        for name in ("hidden", "aux") if aux else ("hidden",):
+            a, b = ours[name].float(), theirs[name].float()
+            # within two bf16 steps of each value (the stored dtype rounds both: 2^-7 relative)
+            assert ((a - b).abs() <= 2 * 2**-7 * a.abs().clamp_min(1.0)).all(), (i, name)
+            assert float((a - b).norm() / a.norm()) < 1e-3, (i, name)
 
 
 def test_a_rerun_resumes_and_a_vllm_store_is_not_taken_for_an_hf_one(
