@@ -1,8 +1,10 @@
 """Stage 1: run the frozen target over ShareGPT conversations and store its last hidden states
 (with `aux=true` also the inputs of `target.aux_layers`, EAGLE-3's features).
 
-    python -m eagle_train.extract data.path=FILE out_dir=DIR [target=...] [dtype=float16]
+    python -m eagle_train.extract data.path=FILE out_dir=DIR [target=...] [dtype=bfloat16|fp8]
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m eagle_train.extract ...
+    python -m eagle_train.extract backend=vllm ...     (vLLM computes the features: engines/vllm_features)
+    python -m eagle_train.extract target.device_map=auto ...   (one target spread over a node's GPUs)
 
 The data file is streamed: records are read, cleaned and tokenized in batches as they come, and a shard
 is cut as soon as it is full (`store.shard_closes`, a pure function of the token counts and the shard
@@ -11,7 +13,7 @@ and the first shard is written after reading only its own conversations. Every p
 data the same way and so cuts the same shards; process r extracts shards r, r + P, r + 2P, ... Within a
 shard, conversations are batched by length and right-padded (a causal decoder's real tokens never see
 the padding, so no mask is needed; only real tokens are stored), and each batch's hidden states go
-straight into the shard file. A shard with a valid sidecar is kept by a rerun, so an interrupted
+straight into the shard file (written in a background thread while the next batch runs). A shard with a valid sidecar is kept by a rerun, so an interrupted
 extraction resumes. The output directory is prepared (and a different store refused) when the first
 shard is cut, so bad input found before that (the first 256 conversations are read before any shard)
 writes nothing; bad input found later stops the run naming the record, with no manifest written. After a barrier the main process
@@ -24,6 +26,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +40,18 @@ from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches
 from eagle_train.data.render import ChatRenderer, tokenize_stream
 from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, stream_conversations
+from eagle_train.engines.vllm_features import VllmFeatures
 from eagle_train.entry import on_main, stage_lock, stage_main
 from eagle_train.files import file_sha256
+from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.target import Target, load_target, load_target_config
-from eagle_train.store import (
-    HIDDEN_DTYPES,
-    MANIFEST_NAME,
-    SCHEMA_VERSION,
+from eagle_train.store.codec import storage
+from eagle_train.store.manifest import MANIFEST_NAME, feature_widths, store_hash, store_identity
+from eagle_train.store.shard import Fill, Put
+from eagle_train.store.writer import (
     completed_shard,
     prepare_out_dir,
     shard_closes,
-    store_hash,
-    target_config_hash,
     write_manifest,
     write_shard,
 )
@@ -66,35 +70,6 @@ def data_source(cfg: DataConfig) -> dict[str, Any]:
         "leading_assistant": cfg.leading_assistant,
         "repeated_roles": cfg.repeated_roles,
     }
-
-
-def store_identity(
-    cfg: ExtractConfig, target: Target, template: str, max_len: int, source: dict[str, Any]
-) -> dict[str, Any]:
-    """The manifest fields that decide the store's contents (a rerun must match them). `aux_layers`
-    appears only in a store that holds them, so an EAGLE-1 store's identity is what it always was."""
-    identity = {
-        "schema_version": SCHEMA_VERSION,
-        "target": {
-            "name": cfg.target.name,
-            "source": target.source,
-            "config_hash": target_config_hash(load_target_config(cfg.target).to_dict()),
-            "weights": target.weight_fingerprint,
-            "hidden_size": target.hidden_size,
-            "vocab_size": target.vocab_size,
-            "model_type": str(target.config.model_type),
-            "dtype": str(target.dtype).removeprefix("torch."),
-            "revision": cfg.target.revision,
-            "system_prompt": cfg.target.system_prompt,
-        },
-        "dtype": cfg.dtype,
-        "template": template,
-        "max_len": max_len,
-        "data": source,
-    }
-    if cfg.aux:
-        identity["aux_layers"] = target.aux_layers
-    return identity
 
 
 def stream_shards(
@@ -118,44 +93,87 @@ def extract_rows(
     rows: Sequence[dict[str, Any]],
     max_tokens: int,
     max_batch_size: int,
-    dtype: torch.dtype,
-    put: Callable[..., None],
+    put: Put,
+    dtype: torch.dtype | None = None,
     attention_mask: bool = False,
     on_batch: Callable[[int, int], None] | None = None,
     aux_layers: list[int] | None = None,
 ) -> None:
-    """Features of a slice of tokenized conversations: `put(i, hidden [L_i, hidden], aux)` in `dtype` on
-    the CPU for each row i, one length-bucketed batch at a time (in batch order, not row order); aux
-    [L_i, 3 * hidden] (the inputs of `aux_layers`) with `aux_layers`, else None.
+    """Features of a slice of tokenized conversations: `put(i, hidden [L_i, hidden])` (with `aux_layers`
+    also aux=[L_i, 3 * hidden], the inputs of those layers) on the CPU for each row i, one
+    length-bucketed batch at a time (in batch order, not row order), cast to `dtype` on the device first
+    (None: as the target computes them, e.g. for fp8, which the shard writer encodes).
 
     rows: dicts with input_ids. Conversations are batched by length and right-padded; only the real
-    tokens' hidden states are kept. `on_batch(conversations, tokens)` is called after each forward.
-    `attention_mask` passes the (unneeded) padding mask anyway: the benchmark's comparison.
+    tokens' hidden states are kept. One batch is written (in a background thread) while the next one
+    runs, so the target does not wait for the disk. `on_batch(conversations, tokens)` is called after
+    each forward. `attention_mask` passes the (unneeded) padding mask anyway: the benchmark's comparison.
     """
     lengths = [len(row["input_ids"]) for row in rows]
-    for batch in bucket_batches(lengths, max_tokens=max_tokens, max_batch_size=max_batch_size):
-        longest = max(lengths[i] for i in batch)
-        input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [b, T], right padding
-        for row, i in enumerate(batch):
-            input_ids[row, : lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
-        # By default no attention mask: in a causal decoder a real token attends only to earlier positions, all
-        # real under right padding, and its position ids are 0..L-1 either way. Without a mask, SDPA
-        # runs its fused causal kernel instead of materialising a [b, heads, T, T] mask.
-        mask = (
-            torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]
-        ).long()  # [b, T]
-        ids, pad_mask = input_ids.to(target.device), mask.to(target.device) if attention_mask else None
-        if aux_layers is None:
-            hidden, aux = target.hidden_states(ids, pad_mask), None
-        else:
-            hidden, aux = target.aux_hidden_states(ids, pad_mask, aux_layers)
-            aux = aux.to(dtype).cpu()  # [b, T, 3 * hidden]
-        hidden = hidden.to(dtype).cpu()  # [b, T, hidden]
-        for row, i in enumerate(batch):
-            # [L, hidden] (and [L, 3 * hidden]): the real tokens only
-            put(i, hidden[row, : lengths[i]], None if aux is None else aux[row, : lengths[i]])
-        if on_batch is not None:
-            on_batch(len(batch), sum(lengths[i] for i in batch))
+
+    def write(hidden: torch.Tensor, aux: torch.Tensor | None, batch: list[int]) -> None:
+        for row, i in enumerate(batch):  # [L, hidden] (and [L, 3 * hidden]): the real tokens only
+            more = {} if aux is None else {"aux": aux[row, : lengths[i]]}
+            put(i, hidden[row, : lengths[i]], **more)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        pending: Future | None = None
+        for batch in bucket_batches(lengths, max_tokens=max_tokens, max_batch_size=max_batch_size):
+            longest = max(lengths[i] for i in batch)
+            input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [b, T], right padding
+            for row, i in enumerate(batch):
+                input_ids[row, : lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
+            # By default no attention mask: in a causal decoder a real token attends only to earlier
+            # positions, all real under right padding, and its position ids are 0..L-1 either way. Without
+            # a mask, SDPA runs its fused causal kernel instead of materialising a [b, heads, T, T] mask.
+            mask = (torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]).long()
+            ids, pad_mask = input_ids.to(target.device), mask.to(target.device) if attention_mask else None
+            if aux_layers is None:
+                hidden, aux = target.hidden_states(ids, pad_mask), None
+            else:
+                hidden, aux = target.aux_hidden_states(ids, pad_mask, aux_layers)  # [b, T, 3 * hidden]
+                aux = (aux if dtype is None else aux.to(dtype)).cpu()
+            hidden = (hidden if dtype is None else hidden.to(dtype)).cpu()  # [b, T, hidden]
+            if pending is not None:
+                pending.result()  # the batch before is on disk (or its error raised here)
+            pending = writer.submit(write, hidden, aux, batch)
+            if on_batch is not None:
+                on_batch(len(batch), sum(lengths[i] for i in batch))
+        if pending is not None:
+            pending.result()
+
+
+@dataclass
+class HFFeatures:
+    """The features of the Hugging Face target in this process (backend=hf): its last hidden states and,
+    with `aux=true`, the inputs of `target.aux_layers` (EAGLE-3's)."""
+
+    target: Target
+    cfg: ExtractConfig
+
+    @property
+    def aux_layers(self) -> list[int] | None:
+        return self.target.aux_layers if self.cfg.aux else None
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return feature_widths(self.target.hidden_size, self.aux_layers)
+
+    def fill(self, rows: Sequence[dict[str, Any]], on_batch: Callable[[int, int], None]) -> Fill:
+        kind = storage(self.cfg.dtype)
+        return functools.partial(
+            extract_rows,
+            self.target,
+            rows,
+            self.cfg.max_tokens,
+            self.cfg.max_batch_size,
+            dtype=None if kind.scaled else kind.dtype,
+            on_batch=on_batch,
+            aux_layers=self.aux_layers,
+        )
+
+    def close(self) -> None:
+        pass
 
 
 class Progress:
@@ -174,17 +192,32 @@ class Progress:
 
 def run(cfg: ExtractConfig) -> Path:
     """Extract the features of `cfg.data` with `cfg.target` into the store `cfg.out_dir`; return it."""
+    storage(cfg.dtype).dtype  # noqa: B018 (dtype=fp8 on a torch without float8: refused before anything)
     accelerator = Accelerator()
     out_dir = Path(cfg.out_dir)
     with stage_lock(out_dir, "extract", accelerator):
         source = data_source(cfg.data)  # a missing or empty file fails here, before the model loads
-        target = load_target(cfg.target, accelerator.device)
-        max_len = target.length_limit(cfg.data.max_len)
-        renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
-        identity = store_identity(cfg, target, renderer.template_name, max_len, source)
-        report = DropReport()
-        rows = tokenize_stream(stream_conversations(cfg.data, report), renderer, report)
-        plan = extract_shards(cfg, target, identity, rows, accelerator)
+        features = open_features(cfg, accelerator)
+        try:
+            target = features.target
+            max_len = target.length_limit(cfg.data.max_len)
+            renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
+            hf_config = load_target_config(cfg.target)
+            identity = store_identity(
+                target,
+                hf_config,
+                cfg.dtype,
+                renderer.template_name,
+                max_len,
+                source,
+                cfg.backend,
+                target.aux_layers if cfg.aux else None,
+            )
+            report = DropReport()
+            rows = tokenize_stream(stream_conversations(cfg.data, report), renderer, report)
+            plan = extract_shards(cfg, features, identity, rows, accelerator)
+        finally:
+            features.close()
         if not plan:
             raise DataError(f"{source['path']}: no conversation left to extract ({report.format()})")
         accelerator.wait_for_everyone()
@@ -195,9 +228,31 @@ def run(cfg: ExtractConfig) -> Path:
     return out_dir
 
 
+def open_features(cfg: ExtractConfig, accelerator: Accelerator):
+    """Where the features come from: the HF target here (backend=hf), or vLLM in its own environment
+    (backend=vllm: this process holds only the target's embedding, LM head and final norm)."""
+    if cfg.backend == "hf":
+        if cfg.target.device_map is not None and accelerator.num_processes > 1:
+            raise ValueError(
+                f"target.device_map={cfg.target.device_map} spreads one target over every GPU of the node: launch "
+                f"one process, not {accelerator.num_processes}"
+            )
+        return HFFeatures(load_target(cfg.target, accelerator.device), cfg)
+    if accelerator.num_processes > 1:
+        raise ValueError(
+            "backend=vllm runs one vLLM for the whole extraction: launch one process and spread the target "
+            f"with vllm.tensor_parallel_size (got {accelerator.num_processes} processes)"
+        )
+    target = load_frozen_target(cfg.target, norm=True)
+    aux_layers = target.aux_layers if cfg.aux else None
+    return VllmFeatures(
+        target, cfg.vllm, Path(cfg.out_dir), target.length_limit(cfg.data.max_len), aux_layers
+    )
+
+
 def extract_shards(
     cfg: ExtractConfig,
-    target: Target,
+    features,
     identity: dict[str, Any],
     rows: Iterable[dict[str, Any]],
     accelerator: Accelerator,
@@ -206,9 +261,8 @@ def extract_shards(
     process_index) that are not already complete; returns the plan. The output directory is prepared
     when the first shard is cut; a DataError raised later says which shards were kept."""
     out_dir, content_hash = Path(cfg.out_dir), store_hash(identity)
-    aux_layers = target.aux_layers if cfg.aux else None
-    aux_size = len(aux_layers) * target.hidden_size if aux_layers else 0
-    bytes_per_token = (target.hidden_size + aux_size) * HIDDEN_DTYPES[cfg.dtype].itemsize
+    target, widths = features.target, features.widths
+    bytes_per_token = sum(storage(cfg.dtype).row_bytes(w, target.hidden_size) for w in widths.values())
     progress = Progress(cfg.progress and accelerator.is_main_process)
     plan: list[tuple[int, int]] = []
     kept = 0
@@ -225,29 +279,9 @@ def extract_shards(
             if completed_shard(out_dir, k, extra) is not None:
                 kept += 1
                 continue
-
-            fill = functools.partial(
-                extract_rows,
-                target,
-                shard_rows,
-                cfg.max_tokens,
-                cfg.max_batch_size,
-                HIDDEN_DTYPES[cfg.dtype],
-                on_batch=progress,
-                aux_layers=aux_layers,
-            )  # fill(put): put(i, hidden, aux) for every row of the shard
+            fill = features.fill(shard_rows, progress)  # fill(put): put(i, hidden) for every row of the shard
             extra["process"] = accelerator.process_index
-            write_shard(
-                out_dir,
-                k,
-                shard_rows,
-                cfg.dtype,
-                target.vocab_size,
-                extra,
-                fill,
-                target.hidden_size,
-                aux_size,
-            )
+            write_shard(out_dir, k, shard_rows, cfg.dtype, target.vocab_size, extra, fill, widths)
     except DataError as err:
         if plan:
             raise DataError(

@@ -28,32 +28,55 @@ from eagle_train.logits import LogitTransform
 NOISE_MODES = ("uniform", "length_scaled", "none")
 
 
+def shift_batch(
+    input_ids: torch.Tensor,  # [b, T] t_0..t_{T-1}, right-padded with 0
+    loss_mask: torch.Tensor,  # [b, T] bool, True where t_i is an assistant token (False on padding)
+    hidden: torch.Tensor,  # [b, T, d] f_0..f_{T-1} (padding rows: anything)
+    lengths: torch.Tensor,  # [b] real tokens per row
+    aux: torch.Tensor | None = None,  # [b, T, 3d] EAGLE-3: a_0..a_{T-1}, the inputs of the aux layers
+) -> dict[str, torch.Tensor]:
+    """A right-padded batch's head inputs and targets, all of length T-1 (head position j), on the
+    batch's device: input_ids t_{j+1}, features f_j (EAGLE-3: a_j), target_hidden f_{j+1} (the target's
+    distribution of t_{j+2} is lm_head(f_{j+1})), target_ids t_{j+2} (0 past the end), loss_mask
+    mask[j+2] (False past each row's end), positions [b] = lengths - 1.
+
+    The one home of the shift: past a row's end every input and target is padding (0, mask False), exactly
+    as if each sequence were shifted alone and padded afterwards, whatever the padding rows held (online:
+    the target's states of pad tokens)."""
+    if input_ids.ndim != 2 or input_ids.shape[1] < 2 or bool((lengths < 2).any()):
+        raise ValueError(
+            f"need sequences of at least 2 tokens, got shape {tuple(input_ids.shape)}, lengths {lengths.tolist()}"
+        )
+    real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]  # [b, T]
+    ids = torch.where(real, input_ids, 0).long()
+    mask = loss_mask.bool() & real
+    inside = real[:, 1:, None]  # [b, n, 1]: head position j < length - 1
+    return {
+        "input_ids": ids[:, 1:],  # [b, n] t_{j+1}
+        "features": (hidden if aux is None else aux)[:, :-1].masked_fill(~inside, 0),  # [b, n, d|3d]
+        "target_hidden": hidden[:, 1:].masked_fill(~inside, 0),  # [b, n, d] f_{j+1}
+        "target_ids": F.pad(ids[:, 2:], (0, 1)),  # [b, n] t_{j+2}
+        "loss_mask": F.pad(mask[:, 2:], (0, 1)),  # [b, n] mask[j+2]
+        "positions": lengths - 1,  # [b] real head positions per row
+    }
+
+
 def shift_sequence(
     input_ids: torch.Tensor,  # [L] t_0..t_{L-1}
     loss_mask: torch.Tensor,  # [L] bool, True where t_i is an assistant token
     hidden: torch.Tensor,  # [L, d] f_0..f_{L-1}
     aux: torch.Tensor | None = None,  # [L, 3d] EAGLE-3: a_0..a_{L-1}, the inputs of the aux layers
 ) -> dict[str, torch.Tensor]:
-    """One sequence's head inputs and targets, all of length L-1 (head position j).
-
-    input_ids t_{j+1}, features f_j (EAGLE-3: a_j), target_hidden f_{j+1} (the target's distribution
-    of t_{j+2} is lm_head(f_{j+1})), target_ids t_{j+2} (0 past the end), loss_mask mask[j+2] (False
-    past the end).
-    """
+    """One sequence's head inputs and targets, all of length L-1 (head position j): `shift_batch` of a
+    batch of one (input_ids t_{j+1}, features f_j (EAGLE-3: a_j), target_hidden f_{j+1}, target_ids
+    t_{j+2}, loss_mask mask[j+2])."""
     if input_ids.ndim != 1 or input_ids.shape[0] < 2:
         raise ValueError(f"need a 1-D sequence of at least 2 tokens, got shape {tuple(input_ids.shape)}")
-    n = input_ids.shape[0] - 1
-    target_ids = torch.zeros(n, dtype=torch.long)
-    target_ids[: n - 1] = input_ids[2:]
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[: n - 1] = loss_mask[2:].bool()
-    return {
-        "input_ids": input_ids[1:].long(),  # [n] t_{j+1}
-        "features": (hidden if aux is None else aux)[:-1],  # [n, d] f_j or [n, 3d] a_j
-        "target_hidden": hidden[1:],  # [n, d] f_{j+1}
-        "target_ids": target_ids,  # [n] t_{j+2}
-        "loss_mask": mask,  # [n] mask[j+2]
-    }
+    length = torch.tensor([input_ids.shape[0]], device=input_ids.device)
+    shifted = shift_batch(
+        input_ids[None], loss_mask[None], hidden[None], length, None if aux is None else aux[None]
+    )
+    return {k: v[0] for k, v in shifted.items() if k != "positions"}
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int | float | bool) -> torch.Tensor:

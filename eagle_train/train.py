@@ -10,10 +10,11 @@ micro-batches, all processes), so 2 processes x 1 micro-batch == 1 process x 2 m
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,19 @@ from eagle_train.entry import on_main, stage_lock, stage_main
 from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
 from eagle_train.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.modeling.checkpoint import save_head
-from eagle_train.modeling.target import Target, load_target, load_target_config
+from eagle_train.modeling.frozen import load_frozen_target
+from eagle_train.modeling.target import Target, TargetParts, load_target, load_target_config
 from eagle_train.training import checkpoint as ckpt
-from eagle_train.training.data import Source, batch_to, collate, online_collate, plan_epoch, split_by_id
+from eagle_train.training.data import (
+    MicroBatch,
+    Source,
+    head_batch,
+    make_loader,
+    pad_samples,
+    plan_epoch,
+    split_by_id,
+    step_schedule,
+)
 from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
 from eagle_train.training.heads import build_head
 from eagle_train.training.objective import Objective, make_objective
@@ -42,14 +53,23 @@ from eagle_train.training.sources import online_features, open_online, open_stor
 
 @dataclass
 class RunData:
-    """The samples, the split and how a list of indices becomes a collated CPU batch."""
+    """The samples, the split and how a padded host batch becomes the head's batch on the device."""
 
     source: Source
     train: list[int]
     held_out: list[int]
-    make_batch: Callable[[list[int]], dict[str, torch.Tensor]]
+    # online: the target's forward (ids, attention) -> {"hidden", "aux"?} on the device (None: the store's)
+    features_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None
     identity: dict[str, Any]  # target identity for checkpoint meta
     source_identity: dict[str, Any]  # the data and target part of the run's identity (resume checks it)
+
+    def to_head(self, padded: dict[str, torch.Tensor], device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A padded host batch (training.data.pad_samples) -> the head's batch on `device`."""
+        return head_batch(padded, device, dtype, self.features_fn)
+
+    def batch(self, indices: list[int], device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The head's batch of these samples on `device` (evaluation)."""
+        return self.to_head(pad_samples([self.source[i] for i in indices]), device, dtype)
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -87,50 +107,43 @@ def configure_deepspeed(accelerator: Accelerator, cfg: TrainConfig) -> None:
     ds["gradient_clipping"] = cfg.optim.clip_value if cfg.optim.clip == "norm" else 0.0
 
 
-def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, Target]:
-    """Load the target (frozen) and the samples; offline stores are checked against the target."""
-    online = cfg.data.source == "online"
-    target = load_target(cfg.target, accelerator.device if online else "cpu")
+def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, TargetParts]:
+    """The target's parts and the samples. Online: the whole target on the device (it computes the
+    features there). Offline: only its config, tokenizer, embedding and LM head, read from the checkpoint
+    in the working dtype (modeling.frozen: no decoder layer is built or read); the store is checked
+    against them."""
     hf_config = load_target_config(cfg.target)
+    if cfg.data.source == "online":
+        target = load_target(cfg.target, accelerator.device)
+    else:
+        target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
     aux_layers = target.aux_layers if cfg.draft.type == "eagle3" else None  # EAGLE-3's features
-    if online:
+    if cfg.data.source == "online":
         with accelerator.main_process_first():
             source, identity = open_online(cfg, target, hf_config)
-        device, features = accelerator.device, online_features(target, aux_layers)
-
-        def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
-            return online_collate([source[i] for i in indices], features, device)
-
+        features_fn = online_features(target, aux_layers)
         data = {"sha256": file_sha256(resolve_path(cfg.data.path))}
     else:
         source, identity = open_store(resolve_path(cfg.features), target, hf_config, aux_layers)
-
-        def make_batch(indices: list[int]) -> dict[str, torch.Tensor]:
-            return collate([source[i] for i in indices])
-
-        data = {"store": source.content_hash()}
-
+        features_fn, data = None, {"store": source.content_hash()}
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
         raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
     sources = source_identity(target, hf_config, data)
-    return RunData(source, train, held_out, make_batch, identity, sources), target
+    return RunData(source, train, held_out, features_fn, identity, sources), target
 
 
-FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def step_batches(
-    plan: list[list[int]], cursor: int, accelerator: Accelerator, grad_accum: int
-) -> list[list[int]]:
-    """This process's micro-batches of the optimizer step starting at `cursor` of the epoch plan."""
-    group = plan[cursor : cursor + accelerator.num_processes * grad_accum]
-    return group[accelerator.process_index :: accelerator.num_processes]
+def frozen_dtype(accelerator: Accelerator) -> torch.dtype:
+    """The dtype of the frozen embedding and LM head: the working one (bf16 / fp16 under mixed precision,
+    else float32), one copy per process: at a 128k vocabulary an fp32 copy of each costs 2.1 GB."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        str(accelerator.mixed_precision), torch.float32
+    )
 
 
 def train_step(
     model,
-    batches: list[dict[str, torch.Tensor]],
+    batches: list[dict[str, torch.Tensor]],  # the head's batches on the device (RunData.to_head)
     objective: Objective,
     cfg: TrainConfig,
     accelerator: Accelerator,
@@ -142,8 +155,7 @@ def train_step(
     The loss is normalised by the normalisers of the WHOLE step (all micro-batches, all processes).
     Each micro-batch's noise comes from its own seed (a function of its place in the epoch plan), so
     the noise does not depend on how the micro-batches are spread over processes."""
-    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
-    batches = [objective.prepare(batch_to(b, accelerator.device, dtype)) for b in batches]
+    batches = [objective.prepare(b) for b in batches]
     local = torch.stack([objective.normalisers(b) for b in batches]).sum(0)
     global_normalisers = accelerator.reduce(local.clone(), "sum")
     # The loss is already a mean over the whole step; undo DDP's/DeepSpeed's average over processes and
@@ -203,9 +215,7 @@ def evaluate(
     totals = dict.fromkeys(keys, 0.0)
     head.eval()
     for indices in plan:
-        batch = objective.prepare(
-            batch_to(data.make_batch(indices), accelerator.device, head.fc.weight.dtype)
-        )
+        batch = objective.prepare(data.batch(indices, accelerator.device, head.fc.weight.dtype))
         with accelerator.autocast():
             eagle3_lm = (
                 lm_weight if head.kind == "eagle3" else None
@@ -287,7 +297,8 @@ class Session:
     objective: Objective  # what a step computes for this head type (training/objective.py)
     lm_weight: (
         torch.Tensor
-    )  # the target's frozen LM head [vocab, hidden], working dtype (EAGLE-1: the head's)
+    )  # the target's frozen LM head [vocab, hidden], working dtype, on the device (EAGLE-1: the head's)
+    feature_dtype: torch.dtype  # the head's parameter dtype: features are decoded to it on the device
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
     identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
@@ -295,7 +306,9 @@ class Session:
     steps_per_epoch: int  # of the first epoch (the others may differ by a few: see total_steps)
     total: int  # optimizer steps of the whole schedule
     stop: int  # where this invocation stops (stop_at_step or total)
-    target: Target | None = None  # the frozen target (its tokenizer and stop ids for the engine evaluation)
+    target: Target | None = (
+        None  # the whole target, online only (offline: loaded if the engine evaluation runs)
+    )
 
 
 def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str, Any]]:
@@ -303,18 +316,19 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     out_dir = Path(cfg.out_dir)
     on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
-    frozen_dtype = FROZEN_DTYPES.get(str(accelerator.mixed_precision), torch.float32)
-    head = build_head(cfg.draft, target, data.source, data.train, cfg.seed, frozen_dtype)
+    dtype = frozen_dtype(accelerator)
+    head = build_head(cfg.draft, target, data.source, data.train, cfg.seed, dtype)
     optimizer = build_optimizer(head, cfg.optim)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(head, optimizer)
-    prepared_head = accelerator.unwrap_model(model)
-    if prepared_head.kind == "eagle1":
-        lm_weight = prepared_head.lm_head.weight  # the head's own frozen copy, no other
+    prepared = accelerator.unwrap_model(model)  # the frozen parts moved with it: one copy on the device
+    feature_dtype = prepared.fc.weight.dtype
+    if prepared.kind == "eagle1":
+        lm_weight = prepared.lm_head.weight  # the head's own frozen copy, no other
     else:  # an EAGLE-3 head has its own LM head: the target's is held once, for the soft targets
-        lm_weight = target.lm_head.weight.detach().to(accelerator.device, frozen_dtype)
-    objective = make_objective(prepared_head.kind, cfg.loss, lm_weight, target.logit_transform, prepared_head)
+        lm_weight = target.lm_head.weight.detach().to(accelerator.device, dtype)
+    objective = make_objective(prepared.kind, cfg.loss, lm_weight, target.logit_transform, prepared)
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "
@@ -346,6 +360,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         data,
         objective,
         lm_weight,
+        feature_dtype,
         out_dir,
         meta,
         identity,
@@ -353,7 +368,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         steps_per_epoch,
         total,
         min(total, cfg.stop_at_step or total),
-        target,
+        target if isinstance(target, Target) else None,
     )
     return session, resume_state(cfg, session)
 
@@ -396,24 +411,37 @@ def window_metrics(
     return {**values, "tokens_per_s": totals["positions"] / seconds, "step_s": seconds / max(steps, 1)}
 
 
+def step_loader(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> Iterator[tuple[MicroBatch, dict]]:
+    """This process's micro-batches from the state's (epoch, cursor) to the stop, read ahead by
+    `loader_workers` processes (training.data.make_loader): the same batches in the same order as an
+    uninterrupted run, so a resumed run continues exactly."""
+    acc = s.accelerator
+    schedule = step_schedule(
+        functools.partial(epoch_plan, cfg, s.data),
+        state["epoch"],
+        state["cursor"],
+        s.per_step,
+        acc.process_index,
+        acc.num_processes,
+        s.stop - state["step"],
+    )
+    pin = acc.device.type == "cuda"
+    return make_loader(s.data.source, schedule, cfg.loader_workers, cfg.loader_prefetch, pin)
+
+
 def fit(cfg: TrainConfig, s: Session, state: dict[str, Any]) -> None:
     """The loop: one optimizer step per iteration, logging, evaluation and checkpoints."""
     acc = s.accelerator
     bar = tqdm(total=s.stop, initial=state["step"], disable=not (cfg.progress and acc.is_local_main_process))
-    plan = epoch_plan(cfg, s.data, state["epoch"])
+    loader = step_loader(cfg, s, state)
     keys = (*s.objective.terms, "positions")
     window_start, window = time.perf_counter(), torch.zeros(len(keys), device=acc.device)
     window_from = state["step"]  # the step the log window started after
     while state["step"] < s.stop:
-        if state["cursor"] + s.per_step > len(plan):  # epoch done (its remainder dropped)
-            state["epoch"], state["cursor"] = state["epoch"] + 1, 0
-            plan = epoch_plan(cfg, s.data, state["epoch"])
-            if len(plan) < s.per_step:
-                raise RuntimeError(
-                    f"epoch {state['epoch']}: {len(plan)} micro-batches < {s.per_step} per step"
-                )
-        mine = step_batches(plan, state["cursor"], acc, cfg.grad_accum)
-        batches = [s.data.make_batch(b) for b in mine]
+        micro = [next(loader) for _ in range(cfg.grad_accum)]  # this process's share of the step
+        state["epoch"], state["cursor"] = micro[0][0].epoch, micro[0][0].cursor
+        mine = [m.indices for m, _ in micro]
+        batches = [s.data.to_head(padded, acc.device, s.feature_dtype) for _, padded in micro]
         lr = lr_at(state["step"], s.total, cfg.optim, acc.num_processes)
         set_lr(s.optimizer, lr)
         sums = train_step(s.model, batches, s.objective, cfg, acc, noise_seeds(cfg, state, acc, len(batches)))
@@ -457,6 +485,8 @@ def log_engine_metrics(cfg: TrainConfig, s: Session, step: int) -> None:
     acc = s.accelerator
     if acc.is_main_process:
         prompts = held_out_prompts(s.data.source, s.data.held_out or s.data.train, cfg.eval_engine_prompts)
+        if s.target is None:  # offline: the built-in decoder beside the engine needs the whole target
+            s.target = load_target(cfg.target, acc.device)
         values = engine_metrics(acc.unwrap_model(s.model), s.target, prompts, cfg, s.out_dir / "engine_eval")
         log_metrics(acc, s.out_dir, step, values)
     acc.wait_for_everyone()

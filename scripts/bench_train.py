@@ -1,4 +1,5 @@
-"""Training throughput on CPU: bucketed vs unbucketed batches, offline (store) vs online (target in the loop).
+"""Training throughput on CPU: the DataLoader path against the in-loop reading it replaced, bucketed vs
+unbucketed batches, offline (store) vs online (target in the loop).
 
     python scripts/bench_train.py                       # throughput table -> bench_results/train.json
     python scripts/bench_train.py --quality [--regenerated FILE] [--minutes 10]
@@ -7,7 +8,10 @@
 Throughput: each variant trains stories260K for `--steps` optimizer steps with the default batch budget in a
 fresh child process (so peak RSS is its own), repeated `--repeats` times in interleaved order; the table
 shows medians of tokens/s (real head positions per second, setup excluded) and peak RSS, and ratios
-against offline + bucketed. Quality: the CPU preset (conf/recipe/stories260k_cpu.yaml) on the
+against offline + bucketed (the default: a DataLoader whose batch sampler is the epoch plan, 2 workers
+reading and padding micro-batches ahead, features in their stored dtype until the device) and the same
+store read in the loop (`loader_workers=0`: how every micro-batch was read before, in the training
+process between steps). Quality: the CPU preset (conf/recipe/stories260k_cpu.yaml) on the
 TinyStories conversations (and, with --regenerated, on the target's own replies), held-out first-step
 top-1 against the target's greedy token and the simulated acceptance length of a 5-token chain.
 """
@@ -28,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "offline+bucketed": ["bucket=true"],
+    "offline+read-in-loop": ["bucket=true", "loader_workers=0"],
     "offline+unbucketed": ["bucket=false"],
     "online+bucketed": ["bucket=true", "data.source=online"],
 }
@@ -50,7 +55,7 @@ def build_store(workdir: Path, limit: int | None, data_file: Path | None = None)
     target = to_schema(OmegaConf.load(REPO / "conf" / "target" / "stories260k.yaml"), TargetConfig)
     data = DataConfig(name=conversations.stem, path=str(conversations), limit=limit)
     store = workdir / f"store_{conversations.stem}"
-    extract(ExtractConfig(target=target, data=data, out_dir=str(store), dtype="float32", progress=False))
+    extract(ExtractConfig(target=target, data=data, out_dir=str(store), dtype="bfloat16", progress=False))
     return conversations, store
 
 
@@ -99,7 +104,7 @@ def spawn(overrides: list[str], threads: int) -> dict:
 
 def throughput(args: argparse.Namespace, workdir: Path) -> dict:
     from eagle_train.data.batching import padding_fraction
-    from eagle_train.store import FeatureStore
+    from eagle_train.store.reader import FeatureStore
     from eagle_train.training.data import plan_epoch
 
     conversations, store = build_store(workdir, args.limit)
@@ -136,10 +141,10 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict:
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
             "runs": [r["tokens_per_s"] for r in runs],
         }
-    print(f"{'variant':<20} {'tokens/s':>10} {'ratio':>6} {'padding':>8} {'peak RSS MB':>12}")
+    print(f"{'variant':<28} {'tokens/s':>10} {'ratio':>6} {'padding':>8} {'peak RSS MB':>12}")
     for name, row in table.items():
         print(
-            f"{name:<20} {row['tokens_per_s']:>10.0f} {row['ratio']:>6.2f} {row['padding']:>8.1%} {row['peak_rss_mb']:>12.0f}"
+            f"{name:<28} {row['tokens_per_s']:>10.0f} {row['ratio']:>6.2f} {row['padding']:>8.1%} {row['peak_rss_mb']:>12.0f}"
         )
     return {
         "steps": args.steps,

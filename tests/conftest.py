@@ -108,7 +108,8 @@ def reseal(store: Path, index: int) -> None:
     import json
 
     from eagle_train.files import file_sha256
-    from eagle_train.store import MANIFEST_NAME, shard_name
+    from eagle_train.store.manifest import MANIFEST_NAME
+    from eagle_train.store.writer import shard_name
 
     shard = store / shard_name(index)
     manifest = json.loads((store / MANIFEST_NAME).read_text())

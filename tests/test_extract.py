@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,14 +18,10 @@ from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
 from eagle_train.entry import compose
 from eagle_train.extract import run
-from eagle_train.store import (
-    MANIFEST_NAME,
-    FeatureStore,
-    StoreError,
-    StoreMismatchError,
-    shard_name,
-    target_config_hash,
-)
+from eagle_train.store.codec import decode
+from eagle_train.store.manifest import MANIFEST_NAME, StoreError, StoreMismatchError, target_config_hash
+from eagle_train.store.reader import FeatureStore
+from eagle_train.store.writer import shard_name
 from tests.conftest import DATA
 
 ALPACA = str(DATA / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json")
@@ -117,6 +114,46 @@ def test_bfloat16_store_keeps_the_argmax(target_cfg, target, tmp_path):
     logits, _ = target.features(sample["input_ids"][None])
     agree = (target.lm_head(sample["hidden"].float()).argmax(-1) == logits[0].argmax(-1)).float().mean()
     assert agree > 0.95
+
+
+def test_fp8_store_is_the_targets_within_e4m3_rounding_at_half_the_bytes(target_cfg, target, tmp_path):
+    run(extract_cfg(target_cfg, tmp_path / "fp8", limit=4, dtype="fp8"))
+    run(extract_cfg(target_cfg, tmp_path / "bf16", limit=4))
+    fp8, bf16 = FeatureStore(tmp_path / "fp8"), FeatureStore(tmp_path / "bf16")
+    assert fp8.ids == bf16.ids and fp8.manifest["dtype"] == "fp8"
+    for i in range(len(fp8)):
+        sample = fp8[i]
+        assert sample["hidden"].dtype == torch.float8_e4m3fn
+        _, hidden = target.features(sample["input_ids"][None])
+        back = decode(sample["hidden"], sample["hidden_scale"], torch.float32)
+        scale = sample["hidden_scale"]  # [L, 1]
+        assert bool(
+            ((back - hidden[0]).abs() <= torch.maximum(hidden[0].abs() / 16, scale * 2**-10) * 1.001).all()
+        )
+    # d = 64: 64 + 4 bytes of features + 3 of id and mask against 128 + 3
+    ratio = fp8.manifest["counts"]["bytes_per_token"] / bf16.manifest["counts"]["bytes_per_token"]
+    assert 0.5 < ratio < 0.56
+
+
+def test_fp8_on_a_torch_without_float8_is_refused_before_anything_is_written(
+    target_cfg, tmp_path, monkeypatch
+):
+    import eagle_train.store.codec as codec
+
+    monkeypatch.setattr(codec, "float8_dtype", lambda: None)
+    with pytest.raises(RuntimeError, match=r"dtype=fp8 needs torch.float8_e4m3fn, which torch .* lacks"):
+        run(extract_cfg(target_cfg, tmp_path / "store", limit=3, dtype="fp8"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_device_map_auto_extracts_the_same_store(target_cfg, tmp_path):
+    """target.device_map=auto (accelerate spreads one target over the visible devices; here the CPU) gives
+    the store of the default load, bit for bit."""
+    run(extract_cfg(target_cfg, tmp_path / "plain", limit=4, dtype="float32"))
+    mapped = replace(target_cfg, device_map="auto")
+    run(extract_cfg(mapped, tmp_path / "auto", limit=4, dtype="float32"))
+    plain, auto = FeatureStore(tmp_path / "plain"), FeatureStore(tmp_path / "auto")
+    assert [s["sha256"] for s in plain.manifest["shards"]] == [s["sha256"] for s in auto.manifest["shards"]]
 
 
 def test_rerun_with_another_config_is_refused_unless_overwrite(target_cfg, tmp_path):

@@ -17,7 +17,9 @@ from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.extract import run
 from eagle_train.files import partial_prefix
-from eagle_train.store import MANIFEST_NAME, FeatureStore, shard_name
+from eagle_train.store.manifest import MANIFEST_NAME
+from eagle_train.store.reader import FeatureStore
+from eagle_train.store.writer import shard_name
 from tests.conftest import DATA
 from tests.kill_after import KILLED
 

@@ -7,8 +7,9 @@ its layer allows:
                  data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
-                 importers besides stages), store, shard, engines/* (a serving engine in its own
-                 environment; engines/vllm_worker runs there: stdlib + vllm only)   + safetensors
+                 importers besides stages), store/* (the feature store), engines/* (a serving engine in
+                 its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
+                 engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)   + safetensors
   3 stage pieces training/*, checks                     torch only (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
@@ -45,7 +46,6 @@ LAYERS: list[tuple[str, int]] = [
     ("modeling", 2),
     ("engines", 2),
     ("store", 2),
-    ("shard", 2),
     ("training", 3),
     ("checks", 3),
     ("entry", 4),
@@ -62,6 +62,7 @@ EXTRA = {
     "report": {"matplotlib"},
     "report_engines": {"matplotlib"},
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
+    "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},
     "data": {"datasets"},
     "extract": {"datasets"},
@@ -141,12 +142,15 @@ def test_the_root_shim_only_calls_the_train_stage():
     assert imported == {"eagle_train.train"}
 
 
-def test_the_vllm_worker_imports_only_the_standard_library_and_vllm():
-    """It runs in vLLM's own environment, where neither this package nor its torch is installed."""
-    import sys
-
-    imports = _modules()["engines.vllm_worker"]
+@pytest.mark.parametrize(
+    "worker, allowed",
+    [("engines.vllm_worker", {"vllm"}), ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors"})],
+)
+def test_the_vllm_workers_import_only_what_vllm_s_environment_has(worker, allowed):
+    """They run in vLLM's own environment, where this package is not installed (torch and safetensors
+    there are vLLM's own)."""
+    imports = _modules()[worker]
     bad = sorted(
-        i for i in imports if i.split(".")[0] not in sys.stdlib_module_names | {"vllm", "__future__"}
+        i for i in imports if i.split(".")[0] not in sys.stdlib_module_names | allowed | {"__future__"}
     )
-    assert not bad, f"eagle_train.engines.vllm_worker imports {bad}"
+    assert not bad, f"eagle_train.{worker} imports {bad}"

@@ -1,4 +1,4 @@
-"""The feature store on its own: shard writing, the manifest, resumability checks and the mmap reader."""
+"""The feature store on its own: shard writing, the manifest, resumability checks and the checked reader."""
 
 from __future__ import annotations
 
@@ -12,19 +12,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle_train.shard import ShardFile
-from eagle_train.store import (
+from eagle_train.store.codec import decode
+from eagle_train.store.manifest import (
     MANIFEST_NAME,
     STORE_CONFIG_NAME,
-    FeatureStore,
     StoreError,
     StoreMismatchError,
+    store_hash,
+)
+from eagle_train.store.reader import FeatureStore
+from eagle_train.store.shard import ShardFile, token_dtype
+from eagle_train.store.writer import (
     completed_shard,
     plan_shards,
     prepare_out_dir,
     shard_name,
-    store_hash,
-    token_dtype,
     write_manifest,
     write_shard,
 )
@@ -135,7 +137,9 @@ def test_reader_refuses_incomplete_or_foreign_stores(tmp_path):
     build_store(tmp_path, make_samples([2, 3]), [(0, 1), (1, 2)])
     manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
     (tmp_path / MANIFEST_NAME).write_text(json.dumps({**manifest, "schema_version": 0}))
-    with pytest.raises(StoreMismatchError, match="schema_version: expected 1, found 0"):
+    with pytest.raises(
+        StoreMismatchError, match=r"manifest.json: schema_version: this version reads \[1, 2\], found 0"
+    ):
         FeatureStore(tmp_path)
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
     (tmp_path / shard_name(1)).unlink()
@@ -225,7 +229,7 @@ def test_aux_features_are_stored_and_read_beside_the_hidden_states(tmp_path):
         prepare_out_dir(tmp_path, IDENTITY, overwrite=False)
     with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[0, 2, 4\], found \[1, 2, 4\]"):
         prepare_out_dir(tmp_path, {**IDENTITY, "aux_layers": [0, 2, 4]}, overwrite=False)
-    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[1, 2, 4\], found None"):
+    with pytest.raises(StoreMismatchError, match=r"aux_layers: expected \[1, 2, 4\], found '<missing>'"):
         prepare_out_dir(plain, identity, overwrite=False)
 
 
@@ -239,13 +243,26 @@ def test_a_manifest_naming_aux_layers_needs_aux_tensors(tmp_path):
 # ---------------------------------------------------------------- 16.3, 16.9, 16.10, 16.11: checked reads
 
 
+NUMPY = {
+    "I64": np.int64,
+    "U16": np.uint16,
+    "I32": np.int32,
+    "U8": np.uint8,
+    "F32": np.float32,
+    "BF16": np.uint16,
+}
+
+
 def edit_tensor(path, index, name, edit):
     """Apply `edit(numpy view)` to one tensor of a shard file in place."""
     shard = ShardFile(path / shard_name(index))
-    begin, _ = shard.header[name]["data_offsets"]
+    spec = shard.header[name]
+    begin, end = spec["data_offsets"]
+    dtype = np.dtype(NUMPY[spec["dtype"]])
     data = bytearray((path / shard_name(index)).read_bytes())
-    view = np.frombuffer(data, dtype=shard.tensor_array(name).dtype, offset=shard.data_start + begin,
-                         count=shard.tensor_array(name).size)  # fmt: skip
+    view = np.frombuffer(
+        data, dtype=dtype, offset=shard.data_start + begin, count=(end - begin) // dtype.itemsize
+    )
     view.flags.writeable = True
     edit(view)
     (path / shard_name(index)).write_bytes(bytes(data))
@@ -355,3 +372,82 @@ def test_a_resumed_extraction_does_not_reread_verified_shards(tmp_path):
     assert completed_shard(tmp_path, 1, {"start": 1, "stop": 2}) is None
     with pytest.raises(StoreError, match="checksum"):
         FeatureStore(tmp_path).verify()  # training still verifies every shard it reads
+
+
+# ---------------------------------------------------------------- 14: fp8 stores, dtype checks
+
+
+def test_fp8_store_takes_half_the_bytes_and_decodes_within_e4m3_rounding(tmp_path):
+    wide = 512  # at d = 512 one fp8 token is 512 + 4 bytes of features, bf16's 1024
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        {
+            "id": f"s{i}",
+            "input_ids": list(range(n)),
+            "loss_mask": [1] * n,
+            "hidden": torch.randn(n, wide, generator=gen),
+        }
+        for i, n in enumerate([30, 50])
+    ]
+    sizes = {}
+    for dtype in ("bfloat16", "fp8"):
+        identity = {**IDENTITY, "dtype": dtype, "target": {**IDENTITY["target"], "hidden_size": wide}}
+        prepare_out_dir(tmp_path / dtype, identity, overwrite=False)
+        extra = {"start": 0, "stop": 2, "store": store_hash(identity)}
+        write_shard(tmp_path / dtype, 0, samples, dtype, 512, extra=extra)
+        sizes[dtype] = write_manifest(tmp_path / dtype, identity, [(0, 2)], {}, "h")["counts"][
+            "bytes_per_token"
+        ]
+    store = FeatureStore(tmp_path / "fp8")
+    got = store[1]
+    assert got["hidden"].dtype == torch.float8_e4m3fn and got["hidden_scale"].shape == (50, 1)
+    back = decode(got["hidden"], got["hidden_scale"], torch.float32)
+    assert bool(((back - samples[1]["hidden"]).abs() <= samples[1]["hidden"].abs() / 16 + 1e-3).all())
+    assert 0.5 < sizes["fp8"] / sizes["bfloat16"] < 0.51  # 519 / 1027 bytes per token, header included
+
+
+def test_a_shard_written_with_another_dtype_than_the_manifest_says_is_named(tmp_path):
+    build_store(tmp_path, make_samples([3, 4]), [(0, 1), (1, 2)], dtype="bfloat16")
+    other = tmp_path / "other"
+    build_store(other, make_samples([3, 4]), [(0, 1), (1, 2)], dtype="float16")
+    shutil.copy(other / shard_name(1), tmp_path / shard_name(1))
+    reseal(tmp_path, 1)
+    with pytest.raises(
+        StoreError, match=r"shard-00001.safetensors: tensor 'hidden' is stored as F16, .*dtype=bfloat16"
+    ):
+        FeatureStore(tmp_path)
+
+
+def test_an_fp8_store_on_a_torch_without_float8_names_the_manifest_and_field(tmp_path, monkeypatch):
+    import eagle_train.store.codec as codec
+
+    build_store(tmp_path, make_samples([3]), [(0, 1)], dtype="fp8")
+    monkeypatch.setattr(codec, "float8_dtype", lambda: None)
+    with pytest.raises(StoreError, match=r"manifest.json: dtype: dtype=fp8 needs torch.float8_e4m3fn"):
+        FeatureStore(tmp_path)
+
+
+def test_an_eagle3_fp8_store_scales_each_aux_state_alone(tmp_path):
+    """EAGLE-3's aux features [L, 3 * hidden] in fp8: one scale per token per hidden state (three per
+    row), so a quiet layer's state is not rounded on a loud one's scale; the hidden states as in EAGLE-1."""
+    gen = torch.Generator().manual_seed(3)
+    samples = make_samples([6, 9])
+    for s in samples:  # the three states at very different magnitudes, as low / mid / high layers are
+        states = [torch.randn(len(s["input_ids"]), HIDDEN, generator=gen) * m for m in (0.01, 1.0, 300.0)]
+        s["aux"] = torch.cat(states, dim=-1)
+    identity = {**IDENTITY, "dtype": "fp8", "aux_layers": [1, 2, 4]}
+    prepare_out_dir(tmp_path, identity, overwrite=False)
+    write_shard(
+        tmp_path, 0, samples, "fp8", 512, extra={"start": 0, "stop": 2, "store": store_hash(identity)}
+    )
+    write_manifest(tmp_path, identity, [(0, 2)], {}, "h")
+    store = FeatureStore(tmp_path, aux=True)
+    for i, s in enumerate(samples):
+        got = store[i]
+        assert got["aux"].dtype == torch.float8_e4m3fn and got["aux_scale"].shape == (len(s["input_ids"]), 3)
+        back = decode(got["aux"], got["aux_scale"], torch.float32)
+        ref = s["aux"]
+        for k in range(3):  # each state within e4m3's relative step of its own values
+            part, want = back[:, k * HIDDEN : (k + 1) * HIDDEN], ref[:, k * HIDDEN : (k + 1) * HIDDEN]
+            scale = want.abs().amax(-1, keepdim=True)
+            assert bool(((part - want).abs() <= want.abs() / 16 + scale / 448).all()), k

@@ -18,8 +18,9 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.entry import compose
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
-from eagle_train.shard import ShardFile
-from eagle_train.store import StoreError, StoreMismatchError, shard_name
+from eagle_train.store.manifest import StoreError, StoreMismatchError
+from eagle_train.store.shard import ShardFile
+from eagle_train.store.writer import shard_name
 from eagle_train.train import run
 from eagle_train.training.optim import NonFiniteError
 from tests.conftest import STORIES260K, TINY_SHAPE, reseal
@@ -174,6 +175,48 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, he
     a = load_file(str(tmp_path / "whole" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "parts" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_offline_training_never_builds_the_target_and_no_state_holds_frozen_tensors(
+    request, tmp_path, monkeypatch, head
+):
+    """Section 14.1: offline training reads the target's config, embedding and LM head only (the whole
+    model is never loaded), and neither the checkpoint nor accelerate's training state holds them (an
+    EAGLE-3 head's own LM head over its draft vocabulary is trained, so it is saved; the embedding is not)."""
+    import transformers
+
+    store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("offline training loaded the whole target")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    out = tmp_path / "run"
+    args = ("max_steps=2", "save_every=2", "eval_every=0", "loader_workers=0")
+    run(make_cfg(store, out, *args, *(EAGLE3 if head == "eagle3" else ())))
+    state_dir = out / "checkpoints" / "step_0000002" / "training_state"
+    assert list(state_dir.glob("model*.safetensors"))  # accelerate's copy of the model's state
+    own = ("fc.", "layers.") if head == "eagle1" else ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+    for file in [*state_dir.glob("*.safetensors"), out / "final" / "model.safetensors"]:
+        keys = set(load_file(str(file)))
+        assert keys and all(k.startswith(own) for k in keys), (file, sorted(keys)[:4])
+        assert not any(k.startswith("embed_tokens") for k in keys)
+    if (
+        head == "eagle1"
+    ):  # the head's own size (~53.6K parameters, fp32), not the vocabulary's (512 x 64 each)
+        assert sum(f.stat().st_size for f in state_dir.glob("model*.safetensors")) < 250_000
+
+
+@pytest.mark.slow
+def test_the_loader_workers_give_the_in_loop_run_exactly(tiny_store, tmp_path):
+    """Section 14.2: micro-batches read ahead by DataLoader workers are the in-loop ones, in the same order."""
+    args = ("max_steps=6", "log_every=1", "eval_every=0", "save_every=0", "grad_accum=2")
+    run(make_cfg(tiny_store, tmp_path / "loop", *args, "loader_workers=0"))
+    run(make_cfg(tiny_store, tmp_path / "workers", *args, "loader_workers=2", "loader_prefetch=2"))
+    loop = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "loop") if "loss" in m}
+    workers = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "workers") if "loss" in m}
+    assert list(loop) == list(range(1, 7)) and workers == loop
 
 
 @pytest.mark.slow
@@ -387,3 +430,24 @@ def test_bad_cadence_settings_fail_when_the_config_is_made(tmp_path):
     for bad in ("log_every=0", "save_every=-1", "eval_every=-5", "epochs=0"):
         with pytest.raises(ValueError, match=bad.split("=")[0]):
             make_cfg(tmp_path / "store", tmp_path, bad)
+
+
+def test_an_eagle3_head_trains_on_an_fp8_store_close_to_the_float32_one(
+    tiny_conversations, target_cfg, tiny_store_aux, tmp_path
+):
+    """EAGLE-3's aux features in fp8 (one scale per token per state), decoded on the device: the first
+    step's loss within the features' rounding of the float32 store's."""
+    from eagle_train.config.data import DataConfig
+    from eagle_train.config.extract import ExtractConfig
+    from eagle_train.extract import run as extract
+
+    data = DataConfig(name="tinystories", path=str(tiny_conversations))
+    fp8 = tmp_path / "fp8"
+    extract(
+        ExtractConfig(target=target_cfg, data=data, out_dir=str(fp8), dtype="fp8", progress=False, aux=True)
+    )
+    args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0", *EAGLE3)
+    run(make_cfg(tiny_store_aux, tmp_path / "f32", *args))
+    run(make_cfg(fp8, tmp_path / "run", *args))
+    ref, got = read_metrics(tmp_path / "f32")[0], read_metrics(tmp_path / "run")[0]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=0.02)

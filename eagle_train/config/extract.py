@@ -7,7 +7,24 @@ from dataclasses import dataclass, field
 from eagle_train.config.data import DataConfig
 from eagle_train.config.target import TargetConfig
 
-HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32", "fp8")
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass
+class VllmExtractConfig:
+    """backend=vllm: vLLM computes the hidden states, from its own environment (`make vllm-env`)."""
+
+    python: str | None = None  # vLLM's python (null = .venv-vllm/bin/python of this checkout)
+    tensor_parallel_size: int = 1  # GPUs one target is split over (70B: a node's 8)
+    max_num_seqs: int = 64  # conversations vLLM runs at once
+    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM may use (weights + the hidden-state cache)
+    chunk: int = 256  # conversations per request to the vLLM worker (bounds its temporary files)
+    timeout_s: float = 3600  # longest wait for one request before the extraction stops
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1 or self.chunk < 1:
+            raise ValueError("vllm.tensor_parallel_size, vllm.max_num_seqs and vllm.chunk must be >= 1")
 
 
 @dataclass
@@ -20,7 +37,11 @@ class ExtractConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     data: DataConfig = field(default_factory=DataConfig)  # the ShareGPT conversations to extract
     out_dir: str = "outputs/features/${target.name}/${data.name}"  # the store directory
-    dtype: str = "bfloat16"  # stored hidden-state dtype: bfloat16 | float16 | float32
+    # stored hidden-state dtype: bfloat16 | float16 | float32 | fp8 (float8 e4m3 + a float32 scale per token:
+    # half of bf16's bytes; eagle_train.store.codec)
+    dtype: str = "bfloat16"
+    backend: str = "hf"  # hf: the Hugging Face target here | vllm: vLLM in its own environment (see vllm)
+    vllm: VllmExtractConfig = field(default_factory=VllmExtractConfig)  # backend=vllm only
     max_tokens: int = 16384  # token budget of one target forward (batch size x padded length)
     max_batch_size: int = 64  # most conversations in one target forward
     shard_samples: int | None = None  # most conversations per shard (null = no limit)
@@ -36,6 +57,8 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         if self.dtype not in HIDDEN_DTYPES:
             raise ValueError(f"dtype must be one of {HIDDEN_DTYPES}, got {self.dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_tokens < 1 or self.max_batch_size < 1:
             raise ValueError(
                 f"max_tokens and max_batch_size must be >= 1, got {self.max_tokens}, {self.max_batch_size}"

@@ -32,6 +32,9 @@ class TargetConfig:
     # EAGLE-3: the decoder layers whose INPUTS (low, mid, high) are the head's features, ids 0..L-1;
     # null = `default_aux_layers(L)` (the reference's 2, L//2, L-3 where those are distinct)
     aux_layers: list[int] | None = None
+    # null: the whole target on the process's device | auto (or balanced, sequential): one target spread over
+    # the node's GPUs by accelerate (a 70B extraction on one process); the inputs go to its first device
+    device_map: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

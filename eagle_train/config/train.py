@@ -138,6 +138,8 @@ class TrainConfig:
     # each other's length get new batch mates every epoch (measured: ~1.3% more padding; 0 = the same batches)
     bucket_jitter: float = 0.05
     grad_accum: int = 1  # micro-batches per process per optimizer step
+    loader_workers: int = 2  # DataLoader worker processes reading and padding micro-batches (0: in the loop)
+    loader_prefetch: int = 4  # micro-batches each worker keeps ready ahead of the loop
     mixed_precision: str = (
         "auto"  # auto (bf16 on GPU, fp32 on CPU; a launcher setting wins) | no | bf16 | fp16
     )
@@ -180,6 +182,10 @@ class TrainConfig:
             )
         if not 0.0 <= self.bucket_jitter <= 1.0:
             raise ValueError(f"bucket_jitter must be in [0, 1], got {self.bucket_jitter}")
+        if self.loader_workers < 0 or self.loader_prefetch < 1:
+            raise ValueError(
+                f"loader_workers must be >= 0 and loader_prefetch >= 1, got {self.loader_workers}, {self.loader_prefetch}"
+            )
         if self.grad_accum < 1 or self.max_tokens < 1 or self.eval_depth < 1 or self.keep_last < 1:
             raise ValueError("grad_accum, max_tokens, eval_depth and keep_last must be >= 1")
         if self.log_every < 1 or self.epochs < 1 or (self.stop_at_step is not None and self.stop_at_step < 1):

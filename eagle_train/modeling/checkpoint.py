@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_train.files import atomic_write_dir, read_json
-from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.draft import DraftHead, SharedTarget
 from eagle_train.modeling.eagle3 import (
     EAGLE3_FIELDS,
     Eagle3Head,
@@ -74,12 +74,11 @@ def save_head(head: DraftHead | Eagle3Head, out_dir: str | Path, meta: dict[str,
 
 
 def load_head(
-    path: str | Path, device: torch.device | str = "cpu"
+    path: str | Path, device: torch.device | str = "cpu", target: SharedTarget | None = None
 ) -> tuple[DraftHead | Eagle3Head, dict[str, Any]]:
-    """Load a head written by `save_head`. Returns (head without the shared weights filled, meta).
-
-    Call `head.share_target_weights(target)` before use.
-    """
+    """Load a head written by `save_head`. Returns (head, meta): with `target`, the head holds the
+    target's frozen embedding (EAGLE-1: and LM head; eagle_train.modeling.draft), else call
+    `head.share_target_weights(target)` before use."""
     path = Path(path)
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     for f in (config_file, weights_file):
@@ -91,9 +90,9 @@ def load_head(
     dropped = ("architectures", "model_type", *(EAGLE3_FIELDS if eagle3 else ()))
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
     if eagle3:
-        head = eagle3_from_config(config, raw, recorded_aux_layers(raw))
+        head = eagle3_from_config(config, raw, recorded_aux_layers(raw), target=target)
     else:
-        head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)))
+        head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)), target=target)
     state = load_file(str(weights_file))
     check_finite(state, weights_file)
     missing, unexpected = head.load_state_dict(state, strict=False)

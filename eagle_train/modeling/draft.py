@@ -2,7 +2,9 @@
 
 h = fc(cat[e(t_{j+1}), f_j]) -> Llama decoder layer(s) -> predicted feature f^_{j+1}.
 Layer 0 has no input norm (the identity), the head has no final norm; the token embedding and the
-LM head are the target's, frozen and shared (never trained, never saved with the head).
+LM head are the target's, frozen and shared: held outside the module's parameters, so they are never
+trained, never in a state_dict (a checkpoint, an accelerate training state, a DDP broadcast), and one
+copy serves target and head; `.to()` / `.float()` move and cast them with the head.
 Key names follow the serving contract: fc.*, layers.N.self_attn.{q,k,v,o}_proj, layers.N.mlp.*,
 layers.N.post_attention_layernorm (+ layers.N.input_layernorm for N >= 1).
 """
@@ -49,7 +51,7 @@ _LLAMA_FIELDS = (
 
 
 class SharedTarget(Protocol):
-    """What a head takes from its target (eagle_train.modeling.target.Target provides it)."""
+    """What a head takes from its target (modeling.target.Target and FrozenTarget provide it)."""
 
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
@@ -145,35 +147,73 @@ class DraftDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DraftHead(nn.Module):
+class FrozenParts:
+    """What a head holds of its target outside its registered modules (mixed into nn.Module heads): the
+    frozen embedding (and LM head) in `self.frozen`, never trained, never in a state_dict (a checkpoint,
+    an accelerate training state, a DDP broadcast); `.to()` / `.float()` / `.cuda()` move them along."""
+
+    frozen: nn.ModuleDict
+
+    def hold_frozen(self, frozen: nn.ModuleDict) -> None:
+        object.__setattr__(self, "frozen", frozen)  # not registered: outside parameters and state_dict
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The target's token embedding (frozen, shared)."""
+        return self.frozen["embed_tokens"]
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.frozen._apply(fn, recurse)
+        return self
+
+
+class DraftHead(FrozenParts, nn.Module):
     """fc over [embedding ; feature] + decoder layer(s); frozen shared embedding and LM head."""
 
-    def __init__(self, config: LlamaConfig, fc_bias: bool = True):
+    def __init__(self, config: LlamaConfig, fc_bias: bool = True, target: SharedTarget | None = None):
         super().__init__()
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=fc_bias)
         self.layers = nn.ModuleList(DraftDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        # The target's, frozen: filled by `share_target_weights`, excluded from `trainable_state_dict`.
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
-        self.logit_transform = LogitTransform()  # the target's output processing (share_target_weights)
+        # The target's, frozen and not registered (FrozenParts): with `target`, its own tensors (nothing
+        # vocabulary-sized is allocated); else random ones until `share_target_weights`.
+        if target is not None:
+            self.hold_frozen(frozen_modules(target.embed_tokens.weight, target.lm_head.weight))
+        else:
+            embed, lm_head = nn.Embedding(config.vocab_size, d), nn.Linear(d, config.vocab_size, bias=False)
+            self.hold_frozen(nn.ModuleDict({"embed_tokens": embed, "lm_head": lm_head}).requires_grad_(False))
+        # the target's output processing (eagle_train.logits), taken with its LM head
+        self.logit_transform = target.logit_transform if target is not None else LogitTransform()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The target's LM head (frozen, shared)."""
+        return self.frozen["lm_head"]
 
     @classmethod
     def from_target(
-        cls, target_config: PretrainedConfig, num_layers: int = 1, fc_bias: bool = True
+        cls,
+        target_config: PretrainedConfig,
+        num_layers: int = 1,
+        fc_bias: bool = True,
+        target: SharedTarget | None = None,
     ) -> DraftHead:
-        return cls(draft_llama_config(target_config, num_layers), fc_bias=fc_bias)
+        return cls(draft_llama_config(target_config, num_layers), fc_bias=fc_bias, target=target)
 
     @torch.no_grad()
-    def share_target_weights(self, target: SharedTarget) -> None:
-        """Copy the target's embedding and LM head into the frozen slots (in their current dtype) and take
-        its output processing, so the draft's distribution is formed as the target's is."""
-        self.embed_tokens.weight.copy_(target.embed_tokens.weight.to(self.embed_tokens.weight.dtype))
-        self.lm_head.weight.copy_(target.lm_head.weight.to(self.lm_head.weight.dtype))
+    def share_target_weights(self, target: SharedTarget, dtype: torch.dtype | None = None) -> None:
+        """Take the target's embedding and LM head (anything with `embed_tokens` and `lm_head`: a Target,
+        a FrozenTarget, another head) as the frozen slots, in `dtype` (default: the slots' current dtype)
+        and on the slots' device: the target's own tensors when nothing needs converting (one copy). Its
+        output processing comes along, so the draft's distribution is formed as the target's is."""
+        device, dtype = self.lm_head.weight.device, dtype or self.lm_head.weight.dtype
+        frozen = frozen_modules(
+            target.embed_tokens.weight.to(device, dtype), target.lm_head.weight.to(device, dtype)
+        )
+        self.hold_frozen(frozen)
         self.logit_transform = target.logit_transform
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -206,3 +246,14 @@ class DraftHead(nn.Module):
     kind = "eagle1"
     aux_layers = None  # features: the target's last hidden state, not the inputs of some layers
     vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)
+
+
+def frozen_modules(embed_weight: torch.Tensor, lm_weight: torch.Tensor | None = None) -> nn.ModuleDict:
+    """An embedding (and a bias-free LM head) around these tensors (no copy), frozen: the target's parts
+    a head holds outside its registered modules (never trained, never in a state_dict)."""
+    modules = {"embed_tokens": nn.Embedding.from_pretrained(embed_weight, freeze=True)}
+    if lm_weight is not None:
+        lm_head = nn.Linear(lm_weight.shape[1], lm_weight.shape[0], bias=False, device="meta")
+        lm_head.weight = nn.Parameter(lm_weight, requires_grad=False)
+        modules["lm_head"] = lm_head
+    return nn.ModuleDict(modules)

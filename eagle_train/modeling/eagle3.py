@@ -24,7 +24,13 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_train.config.target import NUM_AUX_LAYERS
-from eagle_train.modeling.draft import DraftAttention, KVCache, draft_llama_config
+from eagle_train.modeling.draft import (
+    DraftAttention,
+    FrozenParts,
+    KVCache,
+    draft_llama_config,
+    frozen_modules,
+)
 from eagle_train.vocab import d2t_from_t2d, draft_ids
 
 
@@ -46,7 +52,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(FrozenParts, nn.Module):
     """fc over three target features, one `midlayer`, a final norm and the draft's own LM head over
     `draft_vocab_size` tokens; the target's frozen embedding."""
 
@@ -60,6 +66,7 @@ class Eagle3Head(nn.Module):
         fc_norm: bool = False,
         norm_output: bool = False,
         target_hidden_size: int | None = None,
+        target=None,
     ):
         super().__init__()
         if len(aux_layers) != NUM_AUX_LAYERS:
@@ -79,9 +86,12 @@ class Eagle3Head(nn.Module):
         self.norm = LlamaRMSNorm(d, eps=eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        # The target's, frozen: filled by `share_target_weights`, never saved with the head.
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.embed_tokens.requires_grad_(False)
+        # The target's, frozen and not registered (modeling.draft.FrozenParts): with `target` (anything with
+        # `embed_tokens`), its own tensor; else a random one until `share_target_weights`.
+        embed = (
+            target.embed_tokens.weight if target is not None else nn.Embedding(config.vocab_size, d).weight
+        )
+        self.hold_frozen(frozen_modules(embed.detach()))
         # The draft vocabulary (`set_vocabulary`); until then the first draft_vocab_size ids.
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -96,14 +106,17 @@ class Eagle3Head(nn.Module):
         draft_vocab_size: int,
         fc_norm: bool = False,
         norm_output: bool = False,
+        target=None,
     ) -> Eagle3Head:
-        return cls(draft_llama_config(target_config, 1), aux_layers, draft_vocab_size, fc_norm, norm_output)
+        config = draft_llama_config(target_config, 1)
+        return cls(config, aux_layers, draft_vocab_size, fc_norm, norm_output, target=target)
 
     def with_config(self, config: LlamaConfig) -> Eagle3Head:
-        """An untrained head of this one's kind (aux layers, vocabulary size, switches) for `config`."""
+        """An untrained head of this one's kind (aux layers, vocabulary size, switches) for `config`, sharing
+        this one's frozen embedding."""
         return Eagle3Head(
             config, self.aux_layers, self.draft_vocab_size, self.fc_norm_enabled, self.norm_output,
-            self.target_hidden_size,
+            self.target_hidden_size, target=self,
         )  # fmt: skip
 
     @property
@@ -116,10 +129,12 @@ class Eagle3Head(nn.Module):
         return draft_ids(self.d2t)
 
     @torch.no_grad()
-    def share_target_weights(self, target) -> None:
-        """Copy the target's embedding (`target.embed_tokens`) into the frozen slot, in its current dtype
+    def share_target_weights(self, target, dtype: torch.dtype | None = None) -> None:
+        """Take the target's embedding (`target.embed_tokens`) as the frozen slot, in `dtype` (default: the
+        slot's current dtype) on the slot's device: the target's own tensor when nothing needs converting
         (the LM head is the draft's own, and so is its distribution: no target output processing)."""
-        self.embed_tokens.weight.copy_(target.embed_tokens.weight.to(self.embed_tokens.weight.dtype))
+        device, dtype = self.embed_tokens.weight.device, dtype or self.embed_tokens.weight.dtype
+        self.hold_frozen(frozen_modules(target.embed_tokens.weight.to(device, dtype)))
 
     @torch.no_grad()
     def set_vocabulary(self, t2d: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> None:
@@ -225,9 +240,9 @@ def recorded_aux_layers(raw: dict) -> list[int] | None:
     return [int(i) for i in ids] if ids else None
 
 
-def eagle3_from_config(config: LlamaConfig, raw: dict, aux_layers: list[int]) -> Eagle3Head:
+def eagle3_from_config(config: LlamaConfig, raw: dict, aux_layers: list[int], target=None) -> Eagle3Head:
     """An (untrained) head of the shape a config.json describes; `aux_layers` as resolved by the caller
-    (the recorded ids, or the reference's default for the target)."""
+    (the recorded ids, or the reference's default for the target); with `target`, its frozen embedding."""
     if raw.get("norm_before_fc"):
         raise ValueError("norm_before_fc (one RMSNorm over the fused 3d input) is not supported")
     if raw.get("norm_before_residual"):
@@ -239,4 +254,5 @@ def eagle3_from_config(config: LlamaConfig, raw: dict, aux_layers: list[int]) ->
         fc_norm=bool(raw.get("fc_norm")),
         norm_output=bool(raw.get("norm_output")),
         target_hidden_size=raw.get("target_hidden_size"),
+        target=target,
     )

@@ -34,6 +34,7 @@ from transformers import LlamaConfig
 
 from eagle_train.config.target import reference_aux_layers, resolve_aux_layers
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from eagle_train.modeling.draft import frozen_modules
 from eagle_train.modeling.eagle3 import (
     EAGLE3_FIELDS,
     Eagle3Head,
@@ -233,8 +234,8 @@ def load_eagle3(
     missing = [k for k in missing if k in head.trainable_state_dict()]
     if missing or unexpected:
         raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
-    head.share_target_weights(target)
-    if embed is not None:  # shipped with the head: what vLLM and the reference use too
-        with torch.no_grad():
-            head.embed_tokens.weight.copy_(embed.float())
+    if embed is None:
+        head.share_target_weights(target)
+    else:  # shipped with the head: what vLLM and the reference use too (its own, never the target's)
+        head.hold_frozen(frozen_modules(embed.float()))
     return head

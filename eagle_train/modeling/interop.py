@@ -460,7 +460,7 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     check_matches_target(config, state, target, file)
     check_finite(state, file)
     warn_other_target(path, raw_config.get("eagle_train", {}), target)
-    head = DraftHead(config, fc_bias="fc.bias" in state)
+    head = DraftHead(config, fc_bias="fc.bias" in state, target=target)
     try:
         missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     except RuntimeError as err:  # shapes that do not fit the config
@@ -468,5 +468,4 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
     missing = [k for k in missing if k.startswith(("fc.", "layers."))]
     if missing or unexpected:
         raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
-    head.share_target_weights(target)
     return head.to(device or target.device, target.dtype).eval()

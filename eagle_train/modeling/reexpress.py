@@ -168,10 +168,9 @@ def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | E
     wide = (
         head.with_config(config)
         if head.kind == "eagle3"
-        else DraftHead(config, fc_bias=head.fc.bias is not None)
+        else DraftHead(config, fc_bias=head.fc.bias is not None, target=head)
     )
     wide.load_state_dict(widen_state(head.trainable_state_dict(), head_dim, new_head_dim), strict=False)
-    wide.share_target_weights(head)  # a head carries the target's embedding, LM head and logit processing
     return wide.to(head.fc.weight.dtype).train(head.training)
 
 

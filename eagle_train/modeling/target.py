@@ -32,6 +32,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -112,8 +113,67 @@ def check_output_logits(model: PreTrainedModel, transform: LogitTransform, lengt
         )
 
 
+class TargetParts:
+    """What a loaded `Target` and its `FrozenTarget` parts (modeling.frozen) share: shapes, length limits,
+    the output processing and the weight fingerprint, from `config`, `cfg`, `embed_tokens` and `lm_head`."""
+
+    config: PretrainedConfig
+    cfg: TargetConfig
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence the target (and so the head) is used on."""
+        limit = int(getattr(self.config, "max_position_embeddings", 0) or 0) or 2**31
+        return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
+
+    def length_limit(self, requested: int | None = None) -> int:
+        """The longest training sequence: `requested` (data.max_len) when given, else the preset's
+        `train_max_len`, else `max_len`; never beyond `max_len`. The one home of this rule (extraction,
+        online training, regeneration)."""
+        return min(requested or self.cfg.train_max_len or self.max_len, self.max_len)
+
+    @functools.cached_property
+    def logit_transform(self) -> LogitTransform:
+        """The model's own processing of its LM head's output (eagle_train.logits)."""
+        return logit_transform(self.config)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits from last hidden states: its output processing applied to lm_head(hidden)."""
+        return self.logit_transform(self.lm_head(hidden))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @functools.cached_property
+    def aux_layers(self) -> list[int]:
+        """EAGLE-3's feature layers: `target.aux_layers` checked against this target, or the default."""
+        return resolve_aux_layers(self.cfg.aux_layers, self.num_layers)
+
+    @functools.cached_property
+    def weight_fingerprint(self) -> dict[str, str]:
+        """sha256 (16 hex digits) of the input embedding and the LM head: two models with one config
+        shape (a base model and its fine-tune) differ here. The weights are rounded to bfloat16 first,
+        so a float32 and a bfloat16 load of one checkpoint agree. A second or two for an 8B model."""
+        out = {}
+        for name, weight in (("embed_tokens", self.embed_tokens.weight), ("lm_head", self.lm_head.weight)):
+            data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
+            out[name] = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
+        return out
+
+
 @dataclass
-class Target:
+class Target(TargetParts):
     """A frozen causal LM with its tokenizer. `model` is the stock Hugging Face model."""
 
     model: PreTrainedModel
@@ -134,61 +194,12 @@ class Target:
         return self.model.dtype
 
     @property
-    def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    @property
-    def max_len(self) -> int:
-        """The longest sequence the target (and so the head) is used on."""
-        limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or 2**31
-        return min(self.cfg.max_len, limit) if self.cfg.max_len else limit
-
-    def length_limit(self, requested: int | None = None) -> int:
-        """The longest training sequence: `requested` (data.max_len) when given, else the preset's
-        `train_max_len`, else `max_len`; never beyond `max_len`. The one home of this rule (extraction,
-        online training, regeneration)."""
-        return min(requested or self.cfg.train_max_len or self.max_len, self.max_len)
-
-    @functools.cached_property
-    def logit_transform(self) -> LogitTransform:
-        """The model's own processing of its LM head's output (eagle_train.logits)."""
-        return logit_transform(self.model.config)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits from last hidden states: its output processing applied to lm_head(hidden)."""
-        return self.logit_transform(self.lm_head(hidden))
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
-
-    @functools.cached_property
-    def aux_layers(self) -> list[int]:
-        """EAGLE-3's feature layers: `target.aux_layers` checked against this target, or the default."""
-        return resolve_aux_layers(self.cfg.aux_layers, self.num_layers)
-
-    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
-
-    @functools.cached_property
-    def weight_fingerprint(self) -> dict[str, str]:
-        """sha256 (16 hex digits) of the input embedding and the LM head: two models with one config
-        shape (a base model and its fine-tune) differ here. The weights are rounded to bfloat16 first,
-        so a float32 and a bfloat16 load of one checkpoint agree. A second or two for an 8B model."""
-        out = {}
-        for name, weight in (("embed_tokens", self.embed_tokens.weight), ("lm_head", self.lm_head.weight)):
-            data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
-            out[name] = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
-        return out
 
     @property
     def decoder(self) -> nn.Module:
@@ -384,7 +395,9 @@ def load_target_config(cfg: TargetConfig):
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
-    """Load the target frozen, in eval mode, on `device` with the configured dtype."""
+    """Load the target frozen, in eval mode, on `device` with the configured dtype; with
+    `cfg.device_map` spread by accelerate over the devices it names (`device` is then unused: inputs go
+    to the model's first device, `Target.device`)."""
     source = target_source(cfg)
     dtype = "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype)
     model = AutoModelForCausalLM.from_pretrained(
@@ -393,8 +406,10 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
         trust_remote_code=cfg.trust_remote_code,
         revision=cfg.revision,
         attn_implementation=cfg.attn_implementation,
+        device_map=cfg.device_map,
     )
-    model.to(device)
+    if cfg.device_map is None:
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     check_output_logits(model, logit_transform(model.config))

@@ -40,6 +40,7 @@ FREE_SETTINGS = (
     "wandb", "wandb_project", "progress", "out_dir", "resume", "features", "mixed_precision",
     "target.name", "target.path", "data.name", "data.path", "eval_engine", "eval_engine_every",
     "eval_engine_prompts", "eval_engine_max_new_tokens", "eval_engine_python", "eval_engine_target",
+    "loader_workers", "loader_prefetch",
 )  # fmt: skip
 
 

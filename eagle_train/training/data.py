@@ -1,23 +1,35 @@
-"""Training data for the draft head: held-out split by id, batch plans and collation.
+"""Training data for the draft head: held-out split by id, batch plans, the loader and collation.
 
 A *source* is any sequence of samples {"id", "input_ids" [L], "loss_mask" [L], "hidden" [L, d]?,
-"aux" [L, 3d]?} with `lengths` and `ids` (the feature store, or tokenized conversations in online mode,
-where the frozen target fills "hidden" and "aux" at collation); `tokens(i)` gives a sample's ids and
-loss mask alone. Batches are lists of sample indices; an epoch's plan is
-a pure function of (lengths, seed, epoch), so a run resumes from (epoch, cursor) alone.
+"aux" [L, 3d]?} with `lengths` and `ids` (the feature store: features in their stored dtype, fp8 with
+"hidden_scale" / "aux_scale"; or tokenized conversations in online mode, where the frozen target
+computes "hidden" and "aux" on the device); `tokens(i)` gives a sample's ids and loss mask alone.
+Batches are lists of sample indices; an epoch's plan is a pure function of (lengths, seed, epoch), so a
+run resumes from (epoch, cursor) alone.
+
+The path of a micro-batch: `step_schedule` (the epoch plans, in the order the loop consumes them) is the
+batch sampler of a `torch.utils.data.DataLoader`, whose workers read the samples and `pad_samples` them
+(stored dtype, right padding) while the device computes; `head_batch` then moves the padded batch to the
+device, decodes the features there (or runs the target there: online) and shifts it
+(eagle_train.loss.shift_batch). Nothing is upcast on the host.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from eagle_train.data.batching import bucket_batches, cut_batches
 from eagle_train.data.sharegpt import is_eval_id
-from eagle_train.loss import shift_sequence
+from eagle_train.loss import shift_batch
+from eagle_train.store.codec import decode
+
+FEATURES = ("hidden", "aux")  # feature keys a sample may carry (each with an optional "<key>_scale")
 
 
 class Source(Protocol):
@@ -74,62 +86,146 @@ def plan_epoch(
 
 
 def pad_stack(tensors: Sequence[torch.Tensor], value: float | int | bool = 0) -> torch.Tensor:
-    """Right-pad tensors [L_i, ...] along dim 0 to [batch, max L, ...]."""
+    """Right-pad tensors [L_i, ...] along dim 0 to [batch, max L, ...] (any dtype, fp8 included)."""
     longest = max(t.shape[0] for t in tensors)
-    out = tensors[0].new_full((len(tensors), longest, *tensors[0].shape[1:]), value)
+    out = torch.zeros((len(tensors), longest, *tensors[0].shape[1:]), dtype=tensors[0].dtype)
+    if value:
+        out.fill_(value)
     for row, t in enumerate(tensors):
         out[row, : t.shape[0]] = t
     return out
 
 
-def collate(
-    samples: Sequence[dict[str, Any]], feature_dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """Shift every sequence (eagle_train.loss.shift_sequence) and right-pad to one batch.
-
-    Right padding needs no attention mask: a causal head never attends from a real position to a
-    later padded one, and padded positions carry loss_mask False.
-    Returns input_ids [b, n], features [b, n, d] (EAGLE-3 samples with "aux": [b, n, 3d]),
-    target_hidden [b, n, d], target_ids [b, n], loss_mask [b, n], positions [b] (real head positions per row).
-    """
-    shifted = [
-        shift_sequence(
-            s["input_ids"],
-            s["loss_mask"],
-            s["hidden"].to(feature_dtype),
-            s["aux"].to(feature_dtype) if "aux" in s else None,
-        )
-        for s in samples
-    ]
-    batch = {key: pad_stack([s[key] for s in shifted]) for key in shifted[0]}
-    batch["positions"] = torch.tensor([s["input_ids"].shape[0] for s in shifted])
+def pad_samples(samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Samples -> one right-padded batch on the host, features in their stored dtype (what a loader
+    worker builds): input_ids [b, T] long, loss_mask [b, T] bool, lengths [b], and each feature present
+    ("hidden" [b, T, d], fp8 scales "hidden_scale" [b, T, g], "aux" [b, T, 3d] ...)."""
+    batch = {
+        "input_ids": pad_stack([s["input_ids"].long() for s in samples]),
+        "loss_mask": pad_stack([s["loss_mask"].bool() for s in samples]),
+        "lengths": torch.tensor([s["input_ids"].shape[0] for s in samples]),
+    }
+    for name in FEATURES:
+        for key in (name, f"{name}_scale"):
+            if key in samples[0]:
+                batch[key] = pad_stack([s[key] for s in samples])
     return batch
 
 
-def online_collate(
-    samples: Sequence[dict[str, Any]],
-    features_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
-    device: torch.device | str = "cpu",
+def head_batch(
+    padded: dict[str, torch.Tensor],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    features_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Online mode: run the frozen target (`features_fn(ids [b, L], mask [b, L]) -> {"hidden" [b, L, d],
-    "aux" [b, L, 3d] (EAGLE-3 only)}`) on the right-padded batch, then collate as if the features came
-    from the store."""
-    ids = pad_stack([s["input_ids"].long() for s in samples]).to(device)
-    attention = pad_stack([torch.ones_like(s["input_ids"], dtype=torch.long) for s in samples]).to(device)
-    states = {k: v.float().cpu() for k, v in features_fn(ids, attention).items()}  # [b, L, *]
-    filled = [
-        {**s, **{k: v[row, : s["input_ids"].shape[0]] for k, v in states.items()}}
-        for row, s in enumerate(samples)
-    ]
-    return collate(filled)
+    """A padded host batch -> the head's batch on `device` (eagle_train.loss.shift_batch), features in
+    `dtype` (the head's parameter dtype: fp32 under DDP / autocast, bf16 under DeepSpeed bf16).
+
+    Stored features are decoded on the device; online (`features_fn(ids [b, T], attention [b, T]) ->
+    {"hidden" [b, T, d], "aux" [b, T, 3d] (EAGLE-3 only)}`, the frozen target) they are computed there
+    and never leave it. Right padding needs no attention mask for the head: a causal head never attends
+    from a real position to a later padded one, and padded positions carry loss_mask False. Returns
+    input_ids [b, n], features [b, n, d] (EAGLE-3: [b, n, 3d]), target_hidden [b, n, d], target_ids
+    [b, n], loss_mask [b, n], positions [b]."""
+    moved = {k: v.to(device, non_blocking=True) for k, v in padded.items()}
+    ids, lengths = moved["input_ids"], moved["lengths"]
+    if features_fn is not None:
+        attention = (torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]).long()
+        states = {k: v.to(dtype) for k, v in features_fn(ids, attention).items()}  # [b, T, d | 3d]
+    else:
+        states = {
+            name: decode(moved[name], moved.get(f"{name}_scale"), dtype) for name in FEATURES if name in moved
+        }
+    return shift_batch(ids, moved["loss_mask"], states["hidden"], lengths, states.get("aux"))
 
 
-def batch_to(
-    batch: dict[str, torch.Tensor], device: torch.device | str, float_dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    """Move every tensor of a batch to `device`; floating ones to `float_dtype` if given (the head's
-    parameter dtype: DeepSpeed bf16 keeps bf16 weights, DDP/autocast keeps fp32)."""
-    return {
-        k: v.to(device, dtype=float_dtype if float_dtype is not None and v.is_floating_point() else v.dtype)
-        for k, v in batch.items()
-    }
+def collate(samples: Sequence[dict[str, Any]], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Samples with features -> the head's batch on the host (`head_batch` of `pad_samples`)."""
+    return head_batch(pad_samples(samples), "cpu", dtype)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of the schedule: its optimizer step's place in the epoch plan (epoch, cursor),
+    its rank among this process's micro-batches of that step (k of count) and its sample indices."""
+
+    epoch: int
+    cursor: int
+    k: int
+    count: int
+    indices: tuple[int, ...]
+
+
+def step_schedule(
+    plan_of: Callable[[int], list[list[int]]],
+    epoch: int,
+    cursor: int,
+    per_step: int,
+    rank: int,
+    world: int,
+    steps: int,
+) -> Iterator[MicroBatch]:
+    """This process's micro-batches of the next `steps` optimizer steps from (epoch, cursor), in order.
+
+    A step takes the next `per_step` micro-batches of the epoch's plan (`plan_of(epoch)`) and this
+    process every `world`-th of them from `rank`; an epoch ends when fewer than `per_step` are left (its
+    remainder dropped). The one home of this rule, so a resumed run gets the same batches in the same
+    order from its (epoch, cursor)."""
+    plan = plan_of(epoch)
+    for _ in range(steps):
+        if cursor + per_step > len(plan):
+            epoch, cursor = epoch + 1, 0
+            plan = plan_of(epoch)
+            if len(plan) < per_step:
+                raise RuntimeError(f"epoch {epoch}: {len(plan)} micro-batches < {per_step} per step")
+        mine = plan[cursor : cursor + per_step][rank::world]
+        for k, batch in enumerate(mine):
+            yield MicroBatch(epoch, cursor, k, len(mine), tuple(batch))
+        cursor += per_step
+
+
+class PlanDataset(Dataset):
+    """A source fetched one micro-batch at a time: the loader hands `__getitems__` a MicroBatch (the batch
+    sampler's item) and gets (the MicroBatch, its padded batch) back."""
+
+    def __init__(self, source: Source):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.source[i]
+
+    def __getitems__(self, micro: MicroBatch) -> tuple[MicroBatch, dict[str, torch.Tensor]]:
+        return micro, pad_samples([self.source[i] for i in micro.indices])
+
+
+def _as_is(item):
+    return item
+
+
+def make_loader(
+    source: Source, schedule: Iterator[MicroBatch], workers: int, prefetch: int, pin_memory: bool
+) -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor]]]:
+    """(MicroBatch, padded host batch) in schedule order, read by `workers` processes (0: in this one),
+    each keeping `prefetch` micro-batches ahead, pinned for an asynchronous copy when `pin_memory`."""
+    loader = DataLoader(
+        PlanDataset(source),
+        batch_sampler=_Sampler(schedule),
+        collate_fn=_as_is,
+        num_workers=workers,
+        prefetch_factor=prefetch if workers else None,
+        pin_memory=pin_memory,
+    )
+    return iter(loader)
+
+
+class _Sampler:
+    """A batch sampler over a schedule (iterated once: the schedule already spans the run)."""
+
+    def __init__(self, schedule: Iterator[MicroBatch]):
+        self.schedule = schedule
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return self.schedule

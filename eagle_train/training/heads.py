@@ -17,7 +17,7 @@ from eagle_train.modeling.checkpoint import load_head
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.interop import warn_other_target
-from eagle_train.modeling.target import Target
+from eagle_train.modeling.target import TargetParts
 from eagle_train.training.data import Source
 from eagle_train.vocab import count_assistant_tokens, default_draft_vocab_size, top_tokens
 
@@ -28,33 +28,36 @@ def draft_vocabulary(source: Source, indices: Sequence[int], vocab_size: int, si
     return top_tokens(counts, size)
 
 
-def fresh_head(cfg: DraftConfig, target: Target, source: Source, train: Sequence[int], seed: int):
+def fresh_head(cfg: DraftConfig, target: TargetParts, source: Source, train: Sequence[int], seed: int):
     """A new head of type `cfg.type` (weights seeded by `seed`)."""
     torch.manual_seed(seed)
     if cfg.type == "eagle1":
-        return DraftHead.from_target(target.config, cfg.num_layers, cfg.has_fc_bias)
+        return DraftHead.from_target(target.config, cfg.num_layers, cfg.has_fc_bias, target=target)
     size = cfg.vocab_size or default_draft_vocab_size(target.vocab_size)
-    head = Eagle3Head.from_target(target.config, target.aux_layers, size, cfg.fc_norm, cfg.norm_output)
+    head = Eagle3Head.from_target(
+        target.config, target.aux_layers, size, cfg.fc_norm, cfg.norm_output, target=target
+    )
     head.set_vocabulary(draft_vocabulary(source, train, target.vocab_size, size), target.lm_head.weight)
     return head
 
 
 def build_head(
     cfg: DraftConfig,
-    target: Target,
+    target: TargetParts,
     source: Source,
     train: Sequence[int],
     seed: int,
     frozen_dtype: torch.dtype = torch.float32,
 ):
     """A fresh head or the one at draft.path (its type and vocabulary kept), sharing the target's frozen
-    embedding (EAGLE-1: and LM head).
+    embedding (EAGLE-1: and LM head, with its output processing).
 
     The trained weights are float32 (mixed precision keeps fp32 masters); the frozen vocabulary-sized
-    matrices are held once, in the working dtype (`frozen_dtype`: bf16 under bf16 mixed precision): at
-    a 128k vocabulary an fp32 copy of each costs 2.1 GB per process."""
+    matrices are held once, outside the head's state (modeling.draft.FrozenParts), in the working dtype
+    (`frozen_dtype`: bf16 under bf16 mixed precision; no copy when the target's already are): at a 128k
+    vocabulary an fp32 copy of each costs 2.1 GB per process."""
     if cfg.path:
-        head, meta = load_head(resolve_path(cfg.path))
+        head, meta = load_head(resolve_path(cfg.path), target=target)
         if head.kind != cfg.type:
             raise ValueError(f"draft.path {cfg.path} is an {head.kind} head, but draft.type={cfg.type}")
         if head.kind == "eagle3" and head.aux_layers != target.aux_layers:
@@ -65,9 +68,7 @@ def build_head(
         warn_other_target(resolve_path(cfg.path), meta, target)  # initial weights for another target
     else:
         head = fresh_head(cfg, target, source, train, seed)
-    head.float()
-    head.embed_tokens.to(frozen_dtype)
-    if head.kind == "eagle1":
-        head.lm_head.to(frozen_dtype)
-    head.share_target_weights(target)
+    for module in head.children():  # the registered (trained) modules; the frozen parts are not among them
+        module.float()
+    head.share_target_weights(target, frozen_dtype)
     return head

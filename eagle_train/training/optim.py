@@ -14,10 +14,17 @@ from eagle_train.config.train import OptimConfig
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the parameters that require grad (fc and the decoder layers; never the target's
-    frozen embedding and LM head)."""
+    frozen embedding and LM head), fused: one kernel per parameter with no temporaries of the whole
+    model's size (the foreach default allocates several: measured +270 MB of peak at a 69M-parameter
+    head, scripts/bench_memory.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=True,
     )
 
 

@@ -10,22 +10,13 @@ import torch
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
-from eagle_train.modeling.target import Target
-from eagle_train.store import FeatureStore, StoreMismatchError, target_config_hash
+from eagle_train.modeling.target import Target, TargetParts
+from eagle_train.store.manifest import expected_target, target_config_hash
+from eagle_train.store.reader import FeatureStore
+from eagle_train.store.reader import open_store as open_feature_store
 
 
-def target_identity(target: Target, hf_config) -> dict[str, Any]:
-    """What a store must have been extracted with (dotted manifest keys) for this target: its config
-    and the fingerprint of its embedding and LM head (a fine-tune of the same shape differs there)."""
-    return {
-        "target.config_hash": target_config_hash(hf_config.to_dict()),
-        **{f"target.weights.{k}": v for k, v in target.weight_fingerprint.items()},
-        "target.hidden_size": target.hidden_size,
-        "target.vocab_size": target.vocab_size,
-    }
-
-
-def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
+def checkpoint_identity(target: TargetParts, hf_config) -> dict[str, Any]:
     """The target block of a head checkpoint's meta (evaluation compares the weight fingerprint)."""
     return {
         "target": {
@@ -38,7 +29,7 @@ def checkpoint_identity(target: Target, hf_config) -> dict[str, Any]:
     }
 
 
-def source_identity(target: Target, hf_config, data: dict[str, Any]) -> dict[str, Any]:
+def source_identity(target: TargetParts, hf_config, data: dict[str, Any]) -> dict[str, Any]:
     """The data and target part of a run's identity (training/checkpoint.py: run_identity)."""
     return {
         "data": data,
@@ -50,27 +41,13 @@ def source_identity(target: Target, hf_config, data: dict[str, Any]) -> dict[str
 
 
 def open_store(
-    path: Path | None, target: Target, hf_config, aux_layers: list[int] | None = None
+    path: Path | None, target: TargetParts, hf_config, aux_layers: list[int] | None = None
 ) -> tuple[FeatureStore, dict[str, Any]]:
     """The feature store at `path`, refused (StoreMismatchError naming the field) unless it was
     extracted from this target and, for an EAGLE-3 head (`aux_layers`), holds the inputs of exactly
-    those layers. Its structure is checked when it is opened, each shard's checksum when it is first
-    read (eagle_train.store.FeatureStore)."""
-    if path is None:
-        raise ValueError("offline training needs `features=DIR`")
-    try:
-        store = FeatureStore(path, target_identity(target, hf_config), aux=aux_layers is not None)
-    except StoreMismatchError as err:
-        raise StoreMismatchError(
-            f"{err} (extracted from another model, or by an older version: re-extract it)"
-        ) from None
-    if aux_layers is not None and store.aux_layers != aux_layers:
-        held = f"the inputs of target layers {store.aux_layers}" if store.aux_layers else "no aux layers"
-        raise StoreMismatchError(
-            f"feature store {path} holds {held}; draft.type=eagle3 needs the inputs of layers {aux_layers} "
-            f"(target.aux_layers): extract with aux=true target.aux_layers={aux_layers}, or train online "
-            "(data.source=online)"
-        )
+    those layers (eagle_train.store.reader.open_store). Its structure is checked when it is opened, each
+    shard's checksum when it is first read."""
+    store = open_feature_store(path, expected_target(target, hf_config), aux_layers)
     if len(store) == 0:
         raise DataError(f"feature store {path}: no samples")
     return store, checkpoint_identity(target, hf_config)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle_train.training.data import collate, plan_epoch, split_by_id
+from eagle_train.loss import shift_sequence
+from eagle_train.store.codec import decode, encode, storage
+from eagle_train.training.data import collate, head_batch, pad_samples, plan_epoch, split_by_id, step_schedule
 
 
 def test_batch_plans_cover_the_split_once_and_respect_the_budget():
@@ -65,3 +67,59 @@ def test_collate_pads_right_and_masks_padding():
     assert batch["loss_mask"].tolist() == [[True, True, False], [True, False, False]]
     assert batch["target_ids"].tolist() == [[3, 4, 0], [7, 0, 0]]
     assert batch["positions"].tolist() == [3, 2] and batch["features"].shape == (2, 3, 2)
+
+
+def test_head_batch_is_each_sequence_shifted_alone_then_padded():
+    """The batched shift (eagle_train.loss.shift_batch) equals shift_sequence per row, padded after."""
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        {
+            "input_ids": torch.randint(1, 50, (n,), generator=gen),
+            "loss_mask": torch.rand(n, generator=gen) > 0.3,
+            "hidden": torch.randn(n, 6, generator=gen),
+        }
+        for n in (7, 3, 5)
+    ]
+    batch = collate(samples)
+    for row, s in enumerate(samples):
+        alone = shift_sequence(s["input_ids"], s["loss_mask"], s["hidden"])
+        n = s["input_ids"].shape[0] - 1
+        for key, value in alone.items():
+            assert torch.equal(batch[key][row, :n], value), key
+            assert not batch[key][row, n:].any(), key  # padding: zeros, mask False
+    assert batch["positions"].tolist() == [6, 2, 4]
+
+
+def test_stored_fp8_features_stay_fp8_on_the_host_and_decode_on_the_device():
+    x = torch.randn(5, 8)
+    codes, scale = encode(x, storage("fp8"), group=8)
+    sample = {
+        "input_ids": torch.arange(5),
+        "loss_mask": torch.ones(5, dtype=torch.bool),
+        "hidden": codes,
+        "hidden_scale": scale,
+    }
+    padded = pad_samples([sample, {k: v[:3] for k, v in sample.items()}])
+    assert padded["hidden"].dtype == torch.float8_e4m3fn and padded["hidden_scale"].shape == (2, 5, 1)
+    batch = head_batch(padded, "cpu", torch.float32)
+    torch.testing.assert_close(batch["features"][0], decode(codes, scale, torch.float32)[:-1])
+
+
+def test_the_schedule_gives_each_process_its_share_in_order_across_epochs():
+    plans = {e: [[10 * e + i] for i in range(5 + e % 2)] for e in range(4)}  # 5 or 6 micro-batches per epoch
+    world, accum = 2, 1
+    per_step = world * accum
+    got = [list(step_schedule(plans.__getitem__, 0, 0, per_step, rank, world, 5)) for rank in range(world)]
+    # epoch 0 (5 micro-batches): steps at cursors 0 and 2, the fifth dropped; epoch 1 (6): 0, 2, 4
+    assert [(m.epoch, m.cursor, m.indices) for m in got[0]] == [
+        (0, 0, (0,)),
+        (0, 2, (2,)),
+        (1, 0, (10,)),
+        (1, 2, (12,)),
+        (1, 4, (14,)),
+    ]
+    assert [m.indices for m in got[1]] == [(1,), (3,), (11,), (13,), (15,)]
+    resumed = list(
+        step_schedule(plans.__getitem__, 0, 4, per_step, 0, world, 3)
+    )  # from a checkpoint at cursor 4
+    assert [(m.epoch, m.cursor) for m in resumed] == [(1, 0), (1, 2), (1, 4)]
