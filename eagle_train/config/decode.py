@@ -12,6 +12,7 @@ from eagle_train.config.base import CONF_DIR
 
 METHODS = ("ar", "hf", "chain", "eagle1", "eagle2")
 SPECULATIVE = ("chain", "eagle1", "eagle2")
+SHAPES = ("auto", "fixed")
 
 
 @dataclass
@@ -21,6 +22,11 @@ class DecodeConfig:
     method: str = (
         "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
     )
+    # auto: the chain length and the EAGLE-2 depth / top_k / total_tokens that decode fastest here, chosen
+    # from measured costs and acceptance (eagle_train.decoding.shapes; the evaluate stage resolves it before
+    # decoding); a method whose fields are set away from their defaults keeps them (decode.depth=3: EAGLE-2
+    # fixed, the chain still chosen) | fixed: chain_length, depth, top_k, total_tokens as given
+    shape: str = "fixed"
     chain_length: int = 4  # chain: draft tokens per round
     tree: str = "mc_sim_7b_63"  # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path)
     tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
@@ -42,6 +48,9 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"decode.method must be one of {METHODS}, got {self.method!r}")
+        if self.shape not in SHAPES:
+            raise ValueError(f"decode.shape must be one of {SHAPES}, got {self.shape!r}")
+
         if self.temperature < 0:
             raise ValueError(f"decode.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -60,6 +69,17 @@ class DecodeConfig:
     def speculative(self) -> bool:
         return self.method in SPECULATIVE
 
+    @property
+    def auto_methods(self) -> tuple[str, ...]:
+        """The methods whose shape decode.shape=auto chooses: chain and eagle2, each unless one of its
+        shape fields is set away from its default."""
+        if self.shape != "auto":
+            return ()
+        fields = {"chain": ("chain_length",), "eagle2": ("depth", "top_k", "total_tokens")}
+        return tuple(
+            m for m, names in fields.items() if all(getattr(self, n) == _SHAPE_DEFAULTS[n] for n in names)
+        )
+
 
 def load_tree_paths(name: str) -> list[list[int]]:
     """Rank paths of the shipped tree `conf/tree/<name>.yaml` (or of a YAML file path)."""
@@ -76,3 +96,9 @@ def load_tree_paths(name: str) -> list[list[int]]:
     if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
         raise ValueError(f"{path}: expected a `paths:` list of lists of child ranks")
     return [[int(r) for r in p] for p in paths]
+
+
+_SHAPE_DEFAULTS = {
+    name: DecodeConfig.__dataclass_fields__[name].default
+    for name in ("chain_length", "depth", "top_k", "total_tokens")
+}

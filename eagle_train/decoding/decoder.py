@@ -140,6 +140,12 @@ class SpeculativeDecoder:
             raise ValueError(f"SpeculativeDecoder runs ar, chain, eagle1 and eagle2, not {cfg.method!r}")
         if cfg.speculative and head is None:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
+        if cfg.method in cfg.auto_methods:
+            raise ValueError(
+                f"decode.shape=auto: {cfg.method}'s shape is chosen from measured costs before decoding "
+                "(eagle_train.decoding.shapes.tune_shapes, as the evaluate stage does); give the decoder the "
+                "chosen fields, or decode.shape=fixed"
+            )
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
         self.aux_layers = getattr(head, "aux_layers", None)  # the features the head reads
