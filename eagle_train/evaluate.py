@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eagle_train.config.decode import AUTO_TREE_BASE, load_tree_paths
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
@@ -106,8 +107,15 @@ def tune_bench(
         for q in pool
     ]
     tokens = min(cfg.tune_tokens, cfg.decode.max_new_tokens)
+    base = load_tree_paths(AUTO_TREE_BASE) if "eagle1" in auto else None
     choice, costs, info = tune_shapes(
-        target, head, prompts, tokens, Path(cfg.out_dir) / "costs", lean=cfg.decode.lean_draft
+        target,
+        head,
+        prompts,
+        tokens,
+        Path(cfg.out_dir) / "costs",
+        lean=cfg.decode.lean_draft,
+        static_base=base,
     )
     chosen = choice.eagle2
     curve = [

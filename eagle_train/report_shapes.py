@@ -15,6 +15,8 @@ SWEEP_ROWS = 5  # fastest predicted shapes listed per benchmark
 def _label(method: str, fields: dict[str, int]) -> str:
     if method == "eagle2":
         return f"depth {fields['depth']} / top_k {fields['top_k']} / {fields['total_tokens']} tokens"
+    if method == "eagle1":
+        return f"{len(fields['tree_paths']) + 1} nodes, depth {max(len(p) for p in fields['tree_paths'])}"
     return f"{fields['chain_length']} drafts"
 
 

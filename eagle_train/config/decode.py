@@ -13,6 +13,7 @@ from eagle_train.config.base import CONF_DIR
 METHODS = ("ar", "hf", "chain", "eagle1", "eagle2")
 SPECULATIVE = ("chain", "eagle1", "eagle2")
 SHAPES = ("auto", "fixed")
+AUTO_TREE_BASE = "mc_sim_7b_63"  # decode.tree=auto prunes this tree, extended by the draft's top-1 chain
 
 
 @dataclass
@@ -28,7 +29,10 @@ class DecodeConfig:
     # fixed, the chain still chosen) | fixed: chain_length, depth, top_k, total_tokens as given
     shape: str = "fixed"
     chain_length: int = 4  # chain: draft tokens per round
-    tree: str = "mc_sim_7b_63"  # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path)
+    # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path), or auto: mc_sim_7b_63 plus the draft's
+    # top-1 chain (and its second-best children) to depth 9, pruned to the nodes accepted most often, as many
+    # as decode fastest here (eagle_train.decoding.shapes, resolved by the evaluate stage)
+    tree: str = "mc_sim_7b_63"
     tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
     depth: int = 5  # eagle2: draft forwards per round after the first (tree depth = depth + 1)
     top_k: int = 10  # eagle2: nodes expanded per depth and children kept per node
@@ -61,7 +65,8 @@ class DecodeConfig:
             raise ValueError(f"decode.depth and decode.top_k must be >= 1, got {self.depth}, {self.top_k}")
         if self.total_tokens < 2:
             raise ValueError(f"decode.total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
-        if self.method == "eagle1":  # the tree file is read here, once, never by the decoder
+        if self.method == "eagle1" and (self.tree != "auto" or self.tree_paths is not None):
+            # the tree file is read here, once, never by the decoder
             paths = self.tree_paths if self.tree_paths is not None else load_tree_paths(self.tree)
             self.tree_paths = [[int(r) for r in p] for p in paths]
 
@@ -71,14 +76,18 @@ class DecodeConfig:
 
     @property
     def auto_methods(self) -> tuple[str, ...]:
-        """The methods whose shape decode.shape=auto chooses: chain and eagle2, each unless one of its
-        shape fields is set away from its default."""
-        if self.shape != "auto":
-            return ()
+        """The methods whose shape is chosen from measured costs: chain and eagle2 under decode.shape=auto,
+        each unless one of its shape fields is set away from its default; eagle1 under decode.tree=auto
+        (until its tree_paths are given)."""
         fields = {"chain": ("chain_length",), "eagle2": ("depth", "top_k", "total_tokens")}
-        return tuple(
-            m for m, names in fields.items() if all(getattr(self, n) == _SHAPE_DEFAULTS[n] for n in names)
-        )
+        auto = [
+            m
+            for m, names in fields.items()
+            if self.shape == "auto" and all(getattr(self, n) == _SHAPE_DEFAULTS[n] for n in names)
+        ]
+        if self.tree == "auto" and self.tree_paths is None:
+            auto.append("eagle1")
+        return tuple(auto)
 
 
 def load_tree_paths(name: str) -> list[list[int]]:

@@ -18,9 +18,12 @@ class EvaluateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     draft: DraftConfig = field(default_factory=DraftConfig)  # draft.path: the head to evaluate (any layout)
-    # shared decode settings (the method is set per run); answers of up to 256 tokens; the chain length and
-    # the EAGLE-2 shape are chosen per benchmark from measured costs (decode.shape=fixed: as given)
-    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(max_new_tokens=256, shape="auto"))
+    # shared decode settings (the method is set per run); answers of up to 256 tokens; the chain length, the
+    # EAGLE-2 shape and the EAGLE-1 tree are chosen per benchmark from measured costs (decode.shape=fixed,
+    # decode.tree=NAME: as given)
+    decode: DecodeConfig = field(
+        default_factory=lambda: DecodeConfig(max_new_tokens=256, shape="auto", tree="auto")
+    )
     # benchmark names (mt_bench humaneval gsm8k alpaca sum qa tinystories) or JSONL paths; one name or a list
     bench: Any = "mt_bench"
     methods: list[str] = field(

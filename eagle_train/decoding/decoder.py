@@ -142,9 +142,9 @@ class SpeculativeDecoder:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
         if cfg.method in cfg.auto_methods:
             raise ValueError(
-                f"decode.shape=auto: {cfg.method}'s shape is chosen from measured costs before decoding "
-                "(eagle_train.decoding.shapes.tune_shapes, as the evaluate stage does); give the decoder the "
-                "chosen fields, or decode.shape=fixed"
+                f"decode.shape=auto / decode.tree=auto: {cfg.method}'s shape is chosen from measured costs "
+                "before decoding (eagle_train.decoding.shapes.tune_shapes, as the evaluate stage does); give "
+                "the decoder the chosen fields, or decode.shape=fixed / decode.tree=NAME"
             )
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device

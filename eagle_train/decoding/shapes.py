@@ -32,8 +32,9 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.costs import CostCurves, cache_path, cached_costs, cost_key, measure_costs
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.drafter import Drafter
-from eagle_train.decoding.expand import Candidates, dynamic_candidates
+from eagle_train.decoding.expand import Candidates, dynamic_candidates, expand_static, plan_static
 from eagle_train.decoding.stats import GenerationStats
+from eagle_train.decoding.tree import TreeShape, shape_from_paths
 
 
 @dataclass
@@ -47,6 +48,16 @@ class Calibration:
     max_depth: int
     max_nodes: int
     candidates: dict[int, list[int]] = field(default_factory=dict)  # k -> candidates of depth 1..max_depth
+    static: TreeShape | None = None  # eagle1's candidate tree (decode.tree=auto prunes it)
+    static_match: torch.Tensor | None = None  # [positions, nodes - 1] bool: draft node accepted there
+
+
+def auto_tree_paths(base: list[list[int]], max_depth: int) -> list[list[int]]:
+    """decode.tree=auto's candidate static tree: `base` (mc_sim_7b_63) plus the draft's top-1 chain to
+    `max_depth` + 1 and the second-best child at every depth of it."""
+    chain = [[0] * d for d in range(1, max_depth + 2)]
+    seconds = [[0] * (d - 1) + [1] for d in range(1, max_depth + 2)]
+    return [list(p) for p in dict.fromkeys(tuple(p) for p in [*base, *chain, *seconds])]
 
 
 def greedy_sequences(
@@ -113,16 +124,23 @@ def calibrate(
     max_k: int = 10,
     max_nodes: int = 80,
     lean: bool = True,
+    static_paths: list[list[int]] | None = None,
 ) -> Calibration:
     """Draft every top_k's deepest tree at every root position of each (prompt, greedy continuation) with
     the real head, and tabulate the accepted drafts of every (depth, total_tokens) cut (module docstring).
     Rounds are replayed while fewer than `max_new_tokens` tokens are out (the decoder's limit; None: the
-    whole continuation); tokens beyond it only tell what the last round accepts."""
+    whole continuation); tokens beyond it only tell what the last round accepts. `static_paths`: a static
+    tree drafted at every position too, its nodes' acceptance kept (decode.tree=auto)."""
     device = target.device
     capacity = max(len(p) + len(c) for p, c in sequences)
-    drafter = Drafter(head, capacity, max_depth * max_k, GenerationStats(), lean)
+
     tables: dict[int, list[torch.Tensor]] = {k: [] for k in range(1, max_k + 1)}
     candidates: dict[int, list[int]] = {}
+    static = shape_from_paths(static_paths) if static_paths else None
+    inputs = max(max_depth * max_k, static.size if static else 0)
+    drafter = Drafter(head, capacity, inputs, GenerationStats(), lean)
+    plan = plan_static(static, device) if static else None
+    static_match: list[torch.Tensor] = []
     spans, start = [], 0
     with torch.inference_mode():
         for prompt, continuation in sequences:
@@ -148,13 +166,30 @@ def calibrate(
                         sum(v.numel() for v in cands.values[: d + 1]) for d in range(1, max_depth + 1)
                     ]
                     tables[k].append(_accepted_table(cands, after, max_depth, max_nodes))
+                if plan is not None:
+                    drafter.drop_tree()
+                    tree = expand_static(plan, int(seq[p + i]), root_logp, drafter)
+                    static_match.append(_static_accepted(tree, after))
                 root_logp = drafter.catch_up(seq[p + i + 1 : p + i + 2], features[p + i : p + i + 1])
             spans.append((start, start + roots))
             start += roots
     if not spans:
         raise ValueError("calibration needs at least one prompt with a continuation of 2+ tokens")
     accepted = {k: torch.stack(t) for k, t in tables.items()}
-    return Calibration(accepted, spans, max_depth, max_nodes, candidates)
+    matched = torch.stack(static_match) if static_match else None
+    return Calibration(accepted, spans, max_depth, max_nodes, candidates, static, matched)
+
+
+def _static_accepted(tree, continuation: torch.Tensor) -> torch.Tensor:
+    """[nodes - 1] bool: which draft nodes of a static tree spell the greedy continuation from the root."""
+    known = continuation.numel()
+    depth = tree.depth
+    expected = torch.where(depth <= known, continuation[(depth - 1).clamp(0, max(known - 1, 0))], -1)
+    match = tree.tokens == expected
+    match[0] = True
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):  # parents precede children
+        match[i] &= match[parent]
+    return match[1:].cpu()
 
 
 def replay_tau(accepted: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -179,14 +214,14 @@ def replay_tau(accepted: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Te
 
 @dataclass
 class ShapeChoice:
-    """The fastest predicted EAGLE-2 shape and chain length, with the predictions they rest on."""
+    """The fastest predicted EAGLE-2 shape, chain length and static tree, with the predictions they rest
+    on (tau, tokens_per_s, round_s: predicted seconds per round of draft / verify / other)."""
 
-    eagle2: dict[str, Any]  # depth, top_k, total_tokens, tau, tokens_per_s, round_s (draft, verify, catch_up)
+    eagle2: dict[str, Any]  # depth, top_k, total_tokens, tau, tokens_per_s, round_s
     chain: dict[str, Any]  # chain_length, tau, tokens_per_s, round_s
     ar_tokens_per_s: float
-    sweep: list[
-        dict[str, Any]
-    ]  # every EAGLE-2 shape, fastest first: depth, top_k, total_tokens, tau, tokens_per_s
+    sweep: list[dict[str, Any]]  # every EAGLE-2 shape, fastest first
+    eagle1: dict[str, Any] | None = None  # tree_paths, nodes, tau, tokens_per_s, round_s (decode.tree=auto)
 
     def decode_fields(self, method: str) -> dict[str, int]:
         """The DecodeConfig fields that fix `method`'s chosen shape."""
@@ -194,12 +229,15 @@ class ShapeChoice:
             return {k: self.eagle2[k] for k in ("depth", "top_k", "total_tokens")}
         if method == "chain":
             return {"chain_length": self.chain["chain_length"]}
+        if method == "eagle1" and self.eagle1 is not None:
+            return {"tree_paths": self.eagle1["tree_paths"]}
         return {}
 
     def to_dict(self, sweep_rows: int = 20) -> dict[str, Any]:
         return {
             "eagle2": self.eagle2,
             "chain": self.chain,
+            "eagle1": self.eagle1,
             "ar_tokens_per_s": self.ar_tokens_per_s,
             "sweep": self.sweep[:sweep_rows],
             "shapes_predicted": len(self.sweep),
@@ -311,7 +349,28 @@ def choose_shapes(calibration: Calibration, model: RoundModel | CostCurves) -> S
             {"chain_length": length, **model.predict(tau, costs.static_draft([1] * length), length + 1)}
         )
     chain = max(chains, key=lambda r: r["tokens_per_s"])
-    return ShapeChoice(eagle2=sweep[0], chain=chain, ar_tokens_per_s=model.ar_tokens_per_s, sweep=sweep)
+    eagle1 = choose_static(calibration, model) if calibration.static is not None else None
+    return ShapeChoice(sweep[0], chain, model.ar_tokens_per_s, sweep, eagle1)
+
+
+def choose_static(calibration: Calibration, model: RoundModel) -> dict[str, Any]:
+    """decode.tree=auto: the candidate tree pruned to the n nodes accepted most often on the calibration
+    prompts (a connected tree: a node is never accepted more often than its parent, and ties keep the
+    parent first), for the n with the fastest predicted tokens/s. The accepted drafts of every such
+    tree are read off the per-node acceptance and replayed like the dynamic trees'."""
+    shape, match = calibration.static, calibration.static_match
+    depth = torch.tensor(shape.depths[1:])
+    order = torch.sort(match.float().mean(0), descending=True, stable=True).indices  # [nodes - 1]
+    deepest = torch.where(match[:, order], depth[order], 0).cummax(1).values  # [positions, n]
+    taus = replay_tau(deepest, calibration.spans).tolist()
+    best = None
+    for n, tau in enumerate(taus, start=1):
+        kept = order[:n].tolist()
+        widths = [sum(1 for i in kept if shape.depths[i + 1] == d) for d in range(1, int(depth.max()) + 1)]
+        row = model.predict(tau, model.costs.static_draft([w for w in widths if w]), n + 1)
+        if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+            best = {"tree_paths": [list(shape.paths[i + 1]) for i in sorted(kept)], "nodes": n + 1, **row}
+    return best
 
 
 def context_bucket(prompts: list[list[int]], max_new_tokens: int, limit: int, step: int = 64) -> int:
@@ -332,12 +391,17 @@ def tune_shapes(
     max_nodes: int = 80,
     repeats: int = 5,
     lean: bool = True,
+    static_base: list[list[int]] | None = None,
 ) -> tuple[ShapeChoice, CostCurves, dict[str, Any]]:
     """Calibrate on `prompts` (decoded greedily here), measure (or reuse from `cache_dir`) the cost
-    curves at their context length, and choose. Returns (choice, costs, what it took)."""
+    curves at their context length, and choose (the static tree too when `static_base` is given: its
+    candidates are `auto_tree_paths(static_base)`). Returns (choice, costs, what it took)."""
     start = time.perf_counter()
     sequences = greedy_sequences(target, prompts, max_new_tokens, lookahead=max_depth + 1)
-    calibration = calibrate(target, head, sequences, max_new_tokens, max_depth, max_k, max_nodes, lean)
+    static = auto_tree_paths(static_base, max_depth) if static_base is not None else None
+    calibration = calibrate(
+        target, head, sequences, max_new_tokens, max_depth, max_k, max_nodes, lean, static
+    )
     calibrate_s = time.perf_counter() - start
     context = context_bucket(prompts, max_new_tokens, target.max_len - max_nodes - 1)
     key = cost_key(target, head, context, max_nodes, max_depth, max_k, repeats)

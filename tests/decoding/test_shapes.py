@@ -11,11 +11,12 @@ import json
 import pytest
 import torch
 
-from eagle_train.config.decode import DecodeConfig
+from eagle_train.config.decode import DecodeConfig, load_tree_paths
 from eagle_train.decoding.costs import cache_path, cached_costs, cost_key, measure_costs, monotone
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.shapes import (
     RoundModel,
+    auto_tree_paths,
     calibrate,
     choose_shapes,
     greedy_sequences,
@@ -35,7 +36,8 @@ def prompts(target):
 @pytest.fixture(scope="module")
 def calibration(target, trained_head, prompts):
     sequences = greedy_sequences(target, prompts, NEW, lookahead=5)
-    return calibrate(target, trained_head, sequences, NEW, max_depth=4, max_k=4, max_nodes=24)
+    static = auto_tree_paths(load_tree_paths("mc_sim_7b_63"), 4)
+    return calibrate(target, trained_head, sequences, NEW, 4, 4, 24, static_paths=static)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,19 @@ def test_replayed_chain_tau_is_the_decoders(target, trained_head, prompts, calib
         decoded_tau(target, trained_head, prompts, method="chain", chain_length=length), abs=1e-9
     )
     assert 1 <= choice.chain["chain_length"] <= calibration.max_depth + 1
+
+
+def test_the_pruned_static_tree_replays_as_the_decoder_decodes(
+    target, trained_head, prompts, calibration, costs
+):
+    choice = choose_shapes(calibration, costs)
+    paths = choice.eagle1["tree_paths"]
+    assert len(paths) + 1 == choice.eagle1["nodes"] and all(p[:-1] in paths or len(p) == 1 for p in paths)
+    measured = decoded_tau(target, trained_head, prompts, method="eagle1", tree="auto", tree_paths=paths)
+    assert choice.eagle1["tau"] == pytest.approx(measured, abs=1e-9)
+    # the candidates: mc_sim_7b_63 and the top-1 chain (with second-best children) to depth 5
+    assert len(calibration.static.paths) - 1 == len(auto_tree_paths(load_tree_paths("mc_sim_7b_63"), 4))
+    assert (0, 0, 0, 0, 0) in calibration.static.paths and (0, 0, 0, 0, 1) in calibration.static.paths
 
 
 def test_the_choice_is_the_argmax_of_its_own_model(calibration, costs):
@@ -158,6 +173,10 @@ def test_auto_shapes_are_refused_by_the_decoder_and_kept_where_set(target, train
     assert DecodeConfig(shape="auto", depth=3).auto_methods == ("chain",)
     assert DecodeConfig(shape="auto", chain_length=2).auto_methods == ("eagle2",)
     assert DecodeConfig(shape="fixed").auto_methods == ()
+    assert DecodeConfig(tree="auto").auto_methods == ("eagle1",)
+    assert DecodeConfig(tree="auto", tree_paths=[[0]]).auto_methods == ()
+    with pytest.raises(ValueError, match="decode.shape=auto"):
+        SpeculativeDecoder(target, trained_head, DecodeConfig(method="eagle1", tree="auto"))
     SpeculativeDecoder(target, trained_head, DecodeConfig(method="eagle1", shape="auto"))  # not tuned: fine
     with pytest.raises(ValueError, match="decode.shape"):
         DecodeConfig(shape="big")
