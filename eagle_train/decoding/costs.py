@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from eagle_train.decoding.decoder import head_reads
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic
 from eagle_train.decoding.stats import GenerationStats
@@ -165,12 +166,13 @@ def measure_costs(
     device = target.device
     key = cost_key(target, head, context, max_nodes, max_depth, max_k, repeats)
     max_width = max(max_k, STATIC_WIDTH)
+    aux, vocab_map = head_reads(head, device)  # verification forwards return the features the head reads
     with torch.inference_mode():
         cache = target.new_cache(context + max_nodes)
         ids = torch.arange(context, device=device) % 97 + 3  # any tokens: the time does not depend on them
         causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()
         _, features = target.decode(
-            ids[None], torch.arange(context, device=device)[None], causal[None, None], cache
+            ids[None], torch.arange(context, device=device)[None], causal[None, None], cache, aux
         )
         cache.advance(context)
         mask = torch.ones(1, 1, max_nodes, context + max_nodes, dtype=torch.bool, device=device)
@@ -178,7 +180,9 @@ def measure_costs(
         tokens = (torch.arange(max_nodes, device=device) % 97 + 3)[None]
 
         def verify(n: int) -> None:
-            logits, _ = target.decode(tokens[:, :n], positions[:, :n], mask[:, :, :n, : context + n], cache)
+            logits, _ = target.decode(
+                tokens[:, :n], positions[:, :n], mask[:, :, :n, : context + n], cache, aux
+            )
             logits[0].argmax(dim=-1).tolist()
 
         drafter = Drafter(head, context, max(max_depth * max_k, max_nodes), GenerationStats())
@@ -195,7 +199,9 @@ def measure_costs(
                     total = min(max_nodes, k + d * k * k + 1)
                     timer.time(
                         ("expand", d, k),
-                        lambda d=d, k=k, t=total, lp=root_logp: expand_dynamic(0, lp, drafter, d, k, t),
+                        lambda d=d, k=k, t=total, lp=root_logp: expand_dynamic(
+                            0, lp, drafter, d, k, t, vocab_map
+                        ),
                     )
             for w in range(1, max_width + 1):
                 drafter.drop_tree()

@@ -148,9 +148,7 @@ class SpeculativeDecoder:
             )
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
-        self.aux_layers = getattr(head, "aux_layers", None)  # the features the head reads
-        vocab_map = getattr(head, "vocab_map", None)
-        self.vocab_map = None if vocab_map is None else vocab_map.to(self.device)
+        self.aux_layers, self.vocab_map = head_reads(head, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
@@ -344,6 +342,13 @@ class SpeculativeDecoder:
         else:
             self._drafter.reset(self.capacity, self.stats)
         return self._drafter
+
+
+def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:
+    """(the target layers whose inputs the head reads, None: the last hidden state; its draft-to-target id
+    map on `device`, None: it drafts over the target's vocabulary). The one home of that lookup."""
+    vocab_map = getattr(head, "vocab_map", None)
+    return getattr(head, "aux_layers", None), None if vocab_map is None else vocab_map.to(device)
 
 
 def record_rounds(rounds: list[Round], stats: GenerationStats) -> None:

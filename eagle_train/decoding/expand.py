@@ -208,7 +208,7 @@ def expand_dynamic(
     fed input's fed ancestors and itself (the draft step's mask); its last two rows (the root as a
     parent, no parent) are empty. depth >= 1 (at depth 0 the root's feed index would collide with the
     first fed input's: the decoder finishes plainly instead)."""
-    cands = dynamic_candidates(root_log_probs, step, depth, top_k, total_tokens)
+    cands = dynamic_candidates(root_log_probs, step, depth, top_k, total_tokens, vocab_map)
     return _rerank(root_token, cands, total_tokens)
 
 
@@ -229,7 +229,12 @@ class Candidates:
 
 
 def dynamic_candidates(
-    root_log_probs: torch.Tensor, step: DraftStep, depth: int, top_k: int, total_tokens: int
+    root_log_probs: torch.Tensor,
+    step: DraftStep,
+    depth: int,
+    top_k: int,
+    total_tokens: int,
+    vocab_map: torch.Tensor | None = None,
 ) -> Candidates:
     """The expansion part of `expand_dynamic` (see there)."""
     if depth < 1:

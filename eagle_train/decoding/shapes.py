@@ -30,7 +30,7 @@ import torch
 
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.costs import CostCurves, cache_path, cached_costs, cost_key, measure_costs
-from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.decoder import SpeculativeDecoder, head_reads
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import Candidates, dynamic_candidates, expand_static, plan_static
 from eagle_train.decoding.stats import GenerationStats
@@ -132,6 +132,7 @@ def calibrate(
     whole continuation); tokens beyond it only tell what the last round accepts. `static_paths`: a static
     tree drafted at every position too, its nodes' acceptance kept (decode.tree=auto)."""
     device = target.device
+    aux, vocab_map = head_reads(head, device)
     capacity = max(len(p) + len(c) for p, c in sequences)
 
     tables: dict[int, list[torch.Tensor]] = {k: [] for k in range(1, max_k + 1)}
@@ -151,7 +152,7 @@ def calibrate(
             cache = target.new_cache(n)
             causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             _, features = target.decode(
-                seq[None], torch.arange(n, device=device)[None], causal[None, None], cache
+                seq[None], torch.arange(n, device=device)[None], causal[None, None], cache, aux
             )
             features = features[0]
             drafter.reset(capacity, GenerationStats())
@@ -161,14 +162,14 @@ def calibrate(
                 after = seq[p + i + 1 : p + i + 2 + max_depth]
                 for k in tables:
                     drafter.drop_tree()
-                    cands = dynamic_candidates(root_logp, drafter, max_depth, k, max_nodes)
+                    cands = dynamic_candidates(root_logp, drafter, max_depth, k, max_nodes, vocab_map)
                     candidates[k] = [
                         sum(v.numel() for v in cands.values[: d + 1]) for d in range(1, max_depth + 1)
                     ]
                     tables[k].append(_accepted_table(cands, after, max_depth, max_nodes))
                 if plan is not None:
                     drafter.drop_tree()
-                    tree = expand_static(plan, int(seq[p + i]), root_logp, drafter)
+                    tree = expand_static(plan, int(seq[p + i]), root_logp, drafter, vocab_map=vocab_map)
                     static_match.append(_static_accepted(tree, after))
                 root_logp = drafter.catch_up(seq[p + i + 1 : p + i + 2], features[p + i : p + i + 1])
             spans.append((start, start + roots))

@@ -180,3 +180,35 @@ def test_auto_shapes_are_refused_by_the_decoder_and_kept_where_set(target, train
     SpeculativeDecoder(target, trained_head, DecodeConfig(method="eagle1", shape="auto"))  # not tuned: fine
     with pytest.raises(ValueError, match="decode.shape"):
         DecodeConfig(shape="big")
+
+
+@pytest.mark.slow
+def test_eagle3_heads_are_tuned_too(target, trained_eagle3_head, prompts, tmp_path):
+    """An EAGLE-3 head reads the target's aux features and drafts over its reduced vocabulary: the replay
+    drafts as the decoder does (same tau on the same prompts), and its chosen shape decodes losslessly."""
+    head = trained_eagle3_head
+    sequences = greedy_sequences(target, prompts, NEW, lookahead=5)
+    static = auto_tree_paths(load_tree_paths("mc_sim_7b_63"), 3)
+    calibration = calibrate(target, head, sequences, NEW, 3, 3, 16, static_paths=static)
+    for depth, top_k, total in ((2, 3, 10), (3, 2, 16)):
+        replayed = replay_tau(
+            calibration.accepted[top_k][:, depth - 1, total - 2 : total - 1], calibration.spans
+        )
+        decoded = decoded_tau(
+            target, head, prompts, method="eagle2", depth=depth, top_k=top_k, total_tokens=total
+        )
+        assert float(replayed[0]) == pytest.approx(decoded, abs=1e-9)
+    costs = measure_costs(target, head, 32, max_nodes=16, max_depth=3, max_k=3, repeats=1)
+    choice = choose_shapes(calibration, costs)
+    assert choice.eagle1["tau"] == pytest.approx(
+        decoded_tau(
+            target, head, prompts, method="eagle1", tree="auto", tree_paths=choice.eagle1["tree_paths"]
+        ),
+        abs=1e-9,
+    )
+    ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW))
+    tree = SpeculativeDecoder(
+        target, head, DecodeConfig(method="eagle2", max_new_tokens=NEW, **choice.decode_fields("eagle2"))
+    )
+    for p in prompts:
+        assert tree.generate(p).tokens == ar.generate(p).tokens
