@@ -1,4 +1,4 @@
-"""The shape chooser on real components: the stories260K target, a trained head, the real decoder.
+"""The replayed acceptance and the shape chooser on real components: the stories260K target, a trained head, the real decoder.
 
 The replayed acceptance must be what the decoder really accepts on the same prompts, the choice must be
 the argmax of the chooser's own predictions, and the cost curves must be cached per key and reused.
@@ -14,15 +14,8 @@ import torch
 from eagle_train.config.decode import DecodeConfig, load_tree_paths
 from eagle_train.decoding.costs import cache_path, cached_costs, cost_key, measure_costs, monotone
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.shapes import (
-    RoundModel,
-    auto_tree_paths,
-    calibrate,
-    choose_shapes,
-    greedy_sequences,
-    replay_tau,
-    tune_shapes,
-)
+from eagle_train.decoding.replay import auto_tree_paths, calibrate, greedy_sequences, replay_tau
+from eagle_train.decoding.shapes import RoundModel, choose_shapes, tune_shapes
 
 NEW = 24  # no TinyStories story ends this early: no stop token, so the replay is exact
 
