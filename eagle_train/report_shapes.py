@@ -75,9 +75,10 @@ def shape_markdown(tuning: dict[str, dict], table: list[dict], threads: str | No
             f"{bench}: calibrated on {info['calibration_prompts']} {source} ({info['tokens']} tokens each, "
             f"{info['calibration_rounds_positions']} root positions, {info['calibration_s']:.1f} s); costs at "
             f"context {info['context']} {'reused from' if info['costs_reused'] else 'measured into'} "
-            f"{Path(info['costs_file']).name} ({info['costs_s']:.1f} s); the real decoder's phases on the "
-            f"calibration prompts scale them by draft x{model['draft_scale']:.2f}, verify "
-            f"x{model['verify_scale']:.2f}, + {model['other_s'] * 1e3:.2f} ms per round. "
+            f"{Path(info['costs_file']).name} ({info['costs_s']:.1f} s); fitted to the real decoder's "
+            f"phases on the calibration prompts: draft {model['draft_fixed_s'] * 1e3:.2f} ms + "
+            f"x{model['draft_scale']:.2f}, verify {model['verify_fixed_s'] * 1e3:.2f} ms + "
+            f"x{model['verify_scale']:.2f}, other {model['other_s'] * 1e3:.2f} ms per round. "
             f"{choice['shapes_predicted']} EAGLE-2 shapes predicted; the fastest:",
             "",
             "| depth | top_k | total_tokens | predicted tau | predicted tokens/s |",

@@ -243,6 +243,13 @@ def main() -> None:
     ap.add_argument("--tune-prompts", type=int, default=6, help="held-out calibration prompts (auto shapes)")
     ap.add_argument("--tune-tokens", type=int, default=48, help="tokens decoded per calibration prompt")
     ap.add_argument(
+        "--tune-offset",
+        type=int,
+        default=None,
+        help="first calibration prompt (default: after the timed ones; 0: the timed prompts themselves, "
+        "which leaves only the cost model's error between the choice and the sweep's best)",
+    )
+    ap.add_argument(
         "--eagle2-shapes",
         default="",
         help="extra EAGLE-2 shapes to time, e.g. 4/3/12,5/2/10 (depth/top_k/total)",
@@ -287,7 +294,8 @@ def run_bench(target, head, bench: str, args) -> dict:
         )
     tuned = None
     if "chain_auto" in names or "eagle2_auto" in names:
-        calibration = bench_prompts(target, bench, args.tune_prompts, offset=args.prompts)
+        offset = args.prompts if args.tune_offset is None else args.tune_offset
+        calibration = bench_prompts(target, bench, args.tune_prompts, offset=offset)
         cache = Path(args.out).parent / "costs"
         choice, _, info = tune_shapes(target, head, calibration, args.tune_tokens, cache)
         tuned = {"choice": choice.to_dict(), "info": info}

@@ -2,8 +2,9 @@
 `decode.tree=auto`).
 
 decoding.replay gives the accepted length of every shape on calibration prompts; decoding.costs the
-measured cost curves of a round's parts. A round's time is those curves scaled per phase to what the real
-decoder took on the calibration prompts with two probe shapes, plus its per-round overhead (`RoundModel`,
+measured cost curves of a round's parts. A round's time is those curves fitted per phase (a fixed part + a
+scale) to what the real decoder took on the calibration prompts with three probe shapes, plus its
+per-round overhead (`RoundModel`,
 `measure_phases`: the loop's own Python and the load of the moment are in those figures, not in the
 isolated timings), so predicted tokens/s = tau / round time, for every EAGLE-2 shape (depth 1..max_depth,
 top_k 1..max_k, total_tokens 2..max_nodes; totals beyond a shape's candidates are the same tree and left
@@ -60,20 +61,24 @@ class ShapeChoice:
 
 @dataclass
 class RoundModel:
-    """A round's predicted seconds: the measured curves, scaled to what the real decoder took per phase
-    on the calibration prompts (`measure_phases`: the decoder's own loop, its Python and the load of the
-    moment are in those figures, not in the isolated timings), plus its per-round overhead."""
+    """A round's predicted seconds: per phase, a line through what the real decoder took on the calibration
+    prompts against what the measured curves say for the same rounds (`measure_phases`: the decoder's
+    own loop, its Python and the load of the moment are in those figures, not in the isolated timings):
+    draft = draft_fixed + draft_scale x (expansion + catch-up), verify = verify_fixed + verify_scale x
+    verify(nodes), plus the rest of a round (other_s)."""
 
     costs: CostCurves
     draft_scale: float = 1.0
     verify_scale: float = 1.0
     other_s: float = 0.0  # per round, outside the draft and verify phases
     ar_token_s: float | None = None  # the ar baseline's seconds per token (None: verify(1))
+    draft_fixed: float = 0.0  # seconds per round of the draft phase that no curve accounts for
+    verify_fixed: float = 0.0
 
     def predict(self, tau: float, draft: float, nodes: int) -> dict[str, Any]:
         parts = {
-            "draft": self.draft_scale * (draft + self.costs.catch_up(tau)),
-            "verify": self.verify_scale * self.costs.verify(nodes),
+            "draft": self.draft_fixed + self.draft_scale * (draft + self.costs.catch_up(tau)),
+            "verify": self.verify_fixed + self.verify_scale * self.costs.verify(nodes),
             "other": self.other_s,
         }
         return {"tau": tau, "tokens_per_s": tau / sum(parts.values()), "round_s": parts}
@@ -83,16 +88,33 @@ class RoundModel:
         return 1.0 / (self.ar_token_s or self.costs.verify(1))
 
 
-PROBE_SHAPES = ((2, 2, 8), (6, 6, 48))  # a small and a large tree: both ends of the draft / verify balance
+# a small, a middle and a large tree: the draft / verify balance at both ends and between
+PROBE_SHAPES = ((2, 2, 8), (4, 4, 16), (6, 6, 48))
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (curve seconds, measured seconds) per round;
+    through the origin (intercept 0) when the points cannot carry an intercept (fewer than two distinct
+    x, or a fit with a negative intercept or slope)."""
+    n = len(points)
+    sx, sy = sum(x for x, _ in points), sum(y for _, y in points)
+    sxx, sxy = sum(x * x for x, _ in points), sum(x * y for x, y in points)
+    through_origin = (0.0, sxy / sxx if sxx > 0 else 1.0)
+    spread = n * sxx - sx * sx
+    if n < 2 or spread <= 1e-12 * max(sxx, 1e-30) * n:
+        return through_origin
+    slope = (n * sxy - sx * sy) / spread
+    intercept = (sy - slope * sx) / n
+    return (intercept, slope) if slope > 0 and intercept >= 0 else through_origin
 
 
 def measure_phases(
     target, head, sequences, costs: CostCurves, max_new_tokens: int, probes=PROBE_SHAPES, lean: bool = True
 ) -> RoundModel:
     """Decode the calibration prompts with the real decoder (ar, and EAGLE-2 with each probe shape,
-    interleaved per prompt) and scale the curves to its phase times: draft_scale = the draft phase's
-    seconds over the curves' expansion + catch-up of the same rounds, verify_scale likewise, other_s =
-    the rest of a round; ar_token_s = ar's seconds per token."""
+    interleaved per prompt) and fit each phase per round against the curves (`fit_line`): the draft
+    phase's seconds against the curves' expansion + catch-up of the same rounds, the verify phase's
+    against verify(tree size); other_s = the rest of a round; ar_token_s = ar's seconds per token."""
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens))
     grid = (len(costs.expand_s), len(costs.expand_s[0]), costs.max_nodes)
     probes = sorted({tuple(min(x, top) for x, top in zip(p, grid, strict=True)) for p in probes})
@@ -111,30 +133,36 @@ def measure_phases(
         )
         for d, k, t in probes
     ]
-    sums = dict.fromkeys(("draft", "verify", "other", "draft_curve", "verify_curve", "rounds"), 0.0)
+    keys = ("draft", "verify", "other", "draft_curve", "verify_curve", "rounds")
+    sums = [dict.fromkeys(keys, 0.0) for _ in decoders]  # per probe
     ar_time, ar_tokens = 0.0, 0
     for prompt, _ in sequences:
         stats = ar.generate(prompt).stats
         ar_time += stats.time_total - stats.time_prefill
         ar_tokens += max(stats.new_tokens - 1, 0)  # the first token comes from the prefill
-        for decoder in decoders:
+        for decoder, probe in zip(decoders, sums, strict=True):
             stats = decoder.generate(prompt).stats
-            cfg = decoder.cfg
-            expand = costs.expand(cfg.depth, cfg.top_k)
-            sums["draft"] += stats.time_draft
-            sums["verify"] += stats.time_verify
-            sums["other"] += stats.time_total - stats.time_prefill - stats.time_draft - stats.time_verify
-            sums["draft_curve"] += sum(expand + costs.catch_up(a + 1) for a in stats.accepted_per_round)
-            sums["verify_curve"] += sum(costs.verify(n) for n in stats.tree_size_per_round)
-            sums["rounds"] += stats.rounds
-    if not sums["rounds"]:
+            expand = costs.expand(decoder.cfg.depth, decoder.cfg.top_k)
+            probe["draft"] += stats.time_draft
+            probe["verify"] += stats.time_verify
+            probe["other"] += stats.time_total - stats.time_prefill - stats.time_draft - stats.time_verify
+            probe["draft_curve"] += sum(expand + costs.catch_up(a + 1) for a in stats.accepted_per_round)
+            probe["verify_curve"] += sum(costs.verify(n) for n in stats.tree_size_per_round)
+            probe["rounds"] += stats.rounds
+    done = [p for p in sums if p["rounds"]]
+    if not done:
         return RoundModel(costs)
+    per_round = lambda name: [(p[f"{name}_curve"] / p["rounds"], p[name] / p["rounds"]) for p in done]  # noqa: E731
+    draft_fixed, draft_scale = fit_line(per_round("draft"))
+    verify_fixed, verify_scale = fit_line(per_round("verify"))
     return RoundModel(
         costs,
-        draft_scale=sums["draft"] / sums["draft_curve"],
-        verify_scale=sums["verify"] / sums["verify_curve"],
-        other_s=max(sums["other"], 0.0) / sums["rounds"],
+        draft_scale=draft_scale,
+        verify_scale=verify_scale,
+        other_s=max(sum(p["other"] for p in done), 0.0) / sum(p["rounds"] for p in done),
         ar_token_s=ar_time / ar_tokens if ar_tokens else None,
+        draft_fixed=draft_fixed,
+        verify_fixed=verify_fixed,
     )
 
 
@@ -234,7 +262,9 @@ def tune_shapes(
         "costs_file": str(cache_path(cache_dir, key)),
         "phases_s": time.perf_counter() - phases_start,
         "round_model": {
+            "draft_fixed_s": model.draft_fixed,
             "draft_scale": model.draft_scale,
+            "verify_fixed_s": model.verify_fixed,
             "verify_scale": model.verify_scale,
             "other_s": model.other_s,
             "ar_token_s": model.ar_token_s,

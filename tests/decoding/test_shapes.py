@@ -15,7 +15,7 @@ from eagle_train.config.decode import DecodeConfig, load_tree_paths
 from eagle_train.decoding.costs import cache_path, cached_costs, cost_key, measure_costs, monotone
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.replay import auto_tree_paths, calibrate, greedy_sequences, replay_tau
-from eagle_train.decoding.shapes import RoundModel, choose_shapes, tune_shapes
+from eagle_train.decoding.shapes import RoundModel, choose_shapes, fit_line, tune_shapes
 
 NEW = 24  # no TinyStories story ends this early: no stop token, so the replay is exact
 
@@ -97,6 +97,13 @@ def test_the_choice_is_the_argmax_of_its_own_model(calibration, costs):
     assert (4, 4, 24) in shapes and (1, 1, 3) in shapes and (1, 1, 4) not in shapes  # 2 candidates
     assert choice.ar_tokens_per_s == pytest.approx(1 / 3e-3)
     assert choice.decode_fields("eagle2") == {k: best[k] for k in ("depth", "top_k", "total_tokens")}
+
+
+def test_the_phase_fit_is_a_line_with_a_fixed_part_or_through_the_origin():
+    assert fit_line([(1.0, 3.0), (2.0, 5.0), (4.0, 9.0)]) == pytest.approx((1.0, 2.0))
+    assert fit_line([(1.0, 0.5), (3.0, 4.5)]) == pytest.approx((0.0, 14.0 / 10.0))  # intercept < 0
+    assert fit_line([(2.0, 3.0)]) == pytest.approx((0.0, 1.5))  # one probe: a scale only
+    assert fit_line([(2.0, 3.0), (2.0, 5.0)]) == pytest.approx((0.0, 2.0))  # one x: a scale only
 
 
 def test_cost_curves_are_measured_whole_and_monotone(costs):
