@@ -307,11 +307,13 @@ def run_bench(target, head, bench: str, args) -> dict:
             f"{bench}: chose chain {choice.chain['chain_length']}, eagle2 {shape_name(methods.get('eagle2_auto', DecodeConfig()))} "
             f"(tuned in {info['calibration_s'] + info['phases_s'] + (0 if info['costs_reused'] else info['costs_s']):.0f} s)"
         )
-    if args.sweep:
+    if args.sweep:  # a shape already timed (the chosen one, say) is timed once
+        timed = {shape_name(cfg) for cfg in methods.values() if cfg.method == "eagle2"}
         for d, k, t in SWEEP:
-            methods.setdefault(
-                f"sweep_{d}_{k}_{t}", DecodeConfig(method="eagle2", depth=d, top_k=k, total_tokens=t)
-            )
+            if f"{d}/{k}/{t}" not in timed:
+                methods[f"sweep_{d}_{k}_{t}"] = DecodeConfig(
+                    method="eagle2", depth=d, top_k=k, total_tokens=t
+                )
     prompts = bench_prompts(target, bench, args.prompts)
     time_methods(target, head, prompts[:1], methods, 32, 1)  # warm-up
     summary = summarize(time_methods(target, head, prompts, methods, args.max_new_tokens, args.repeats))
@@ -329,10 +331,10 @@ def run_bench(target, head, bench: str, args) -> dict:
 
 def sweep_report(summary: dict, shapes: dict, tuned: dict | None) -> dict:
     """The measured sweep, fastest first, printed next to the chosen shape (its tokens/s / the best's)."""
-    eagle2 = {n: s for n, s in summary.items() if n.startswith("sweep_") or n == "eagle2_auto"}
+    eagle2 = {n: s for n, s in summary.items() if shapes[n].count("/") == 2}  # every EAGLE-2 shape timed
     ranked = sorted(eagle2, key=lambda n: -eagle2[n]["tokens_per_s"])
     best = ranked[0]
-    print(f"sweep ({len(eagle2)} EAGLE-2 shapes, coarse grid), fastest first:")
+    print(f"sweep ({len(eagle2)} EAGLE-2 shapes: the coarse grid and the named ones), fastest first:")
     for n in ranked[:8]:
         s = eagle2[n]
         print(
