@@ -2,7 +2,8 @@
 decode.shape=auto chooses, on TinyStories prompts and mt_bench.
 
 All methods run side by side in one process: for every prompt each method generates in turn (R
-repeats, median time per prompt and method), so a busy shared CPU slows them alike. Tokens/s =
+repeats, median time per prompt and method; each pass starts at another method, so no method is always
+first), so a busy shared CPU slows them alike. Tokens/s =
 generated tokens / sum of median times; speedup = tokens/s over the AR baseline's (same harness,
 same cache code). Per round: draft / verify / other milliseconds (other = the rest of the wall time:
 prefill, the decoder's own loop). `overhead` = wall time outside the target and draft forwards / wall time.
@@ -132,11 +133,16 @@ def time_methods(target, head, prompts, methods, max_new_tokens: int, repeats: i
         decoders[name] = (
             HFGenerate(target, cfg) if cfg.method == "hf" else SpeculativeDecoder(target, head, cfg)
         )
+    names = list(decoders)
+    step = max(1, len(names) // max(1, len(prompts) * repeats))
     for i, prompt in enumerate(prompts):
         runs: dict[str, list] = {name: [] for name in methods}
-        for _ in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method
-            for name, decoder in decoders.items():
-                runs[name].append(decoder.generate(prompt))
+        for r in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method
+            # ... starting at another method each pass: in a long round (a sweep) the methods timed first ran
+            # 25-35% slower than the same shape timed later in the round
+            shift = (i * repeats + r) * step % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(decoders[name].generate(prompt))
         reference = runs["ar"][0].tokens if "ar" in runs else None
         for name, rs in runs.items():
             if reference is not None and rs[0].tokens != reference:
