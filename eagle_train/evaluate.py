@@ -26,11 +26,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eagle_train.config.decode import AUTO_TREE_BASE, load_tree_paths
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
+from eagle_train.decoding.costs import choose_threads
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.identity import classify_answer
+from eagle_train.decoding.shapes import tune_shapes
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
 from eagle_train.entry import stage_lock, stage_main
@@ -39,8 +42,9 @@ from eagle_train.modeling.hf_generate import HFGenerate
 from eagle_train.modeling.interop import export_head, load_draft, other_target
 from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import Target, load_target
-from eagle_train.report import BASELINE, markdown_table, write_report
+from eagle_train.report import BASELINE, markdown_table, summarize, write_report
 from eagle_train.report_engines import engine_section
+from eagle_train.report_shapes import shape_section
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +66,73 @@ def evaluated_methods(cfg: EvaluateConfig, target: Target) -> list[str]:
     return methods
 
 
-def make_decoders(cfg: EvaluateConfig, target: Target) -> dict[str, SpeculativeDecoder | HFGenerate]:
-    """One decoder per method (ar first when present); the head is loaded once if any method needs it."""
-    methods = evaluated_methods(cfg, target)
-    needs_head = any(m not in ("ar", "hf") for m in methods)
-    head = load_draft(cfg.draft.path, target) if needs_head else None
+def make_decoders(
+    cfg: EvaluateConfig, target: Target, head, shapes: dict[str, dict] | None = None
+) -> dict[str, SpeculativeDecoder | HFGenerate]:
+    """One decoder per method (ar first when present); `shapes`: method -> the DecodeConfig fields of the
+    shape chosen for it (decode.shape=auto)."""
     decoders: dict[str, SpeculativeDecoder | HFGenerate] = {}
-    for method in sorted(methods, key=lambda m: m != BASELINE):
-        decode = dataclasses.replace(cfg.decode, method=method)
+    for method in sorted(evaluated_methods(cfg, target), key=lambda m: m != BASELINE):
+        chosen = (shapes or {}).get(method)
+        decode = dataclasses.replace(
+            cfg.decode, method=method, **({"shape": "fixed", **chosen} if chosen else {})
+        )
         decoders[method] = (
             HFGenerate(target, decode) if method == "hf" else SpeculativeDecoder(target, head, decode)
         )
     return decoders
+
+
+def load_head(cfg: EvaluateConfig, target: Target):
+    """The draft head when a method needs one (else None)."""
+    needs_head = any(m not in ("ar", "hf") for m in evaluated_methods(cfg, target))
+    return load_draft(cfg.draft.path, target) if needs_head else None
+
+
+def tune_bench(
+    bench: str, cfg: EvaluateConfig, target: Target, head, renderer: ChatRenderer, prompt_limit: int
+) -> dict | None:
+    """decode.shape=auto: the fastest predicted shape of each auto method on this benchmark, calibrated on
+    held-out questions (the ones after the first num_questions; the first ones when none are left), with
+    the cost curves cached under out_dir/costs (eagle_train.decoding.shapes.tune_shapes). None when no
+    evaluated method is auto."""
+    # engine=vllm compares vLLM's chain of decode.chain_length with the built-in chain: that one stays as given
+    auto = [m for m in cfg.decode.auto_methods if m in cfg.methods and (m, cfg.engine) != ("chain", "vllm")]
+    if not auto:
+        return None
+    questions = load_questions(bench, None, 1)
+    held_out = questions[cfg.num_questions or len(questions) :][: cfg.tune_prompts]
+    pool = held_out or questions[: cfg.tune_prompts]
+    prompts = [
+        fit_prompt(renderer.render_prompt([{"role": "user", "content": q.turns[0]}]), prompt_limit)[0]
+        for q in pool
+    ]
+    tokens = min(cfg.tune_tokens, cfg.decode.max_new_tokens)
+    base = load_tree_paths(AUTO_TREE_BASE) if "eagle1" in auto else None
+    choice, costs, info = tune_shapes(
+        target,
+        head,
+        prompts,
+        tokens,
+        Path(cfg.out_dir) / "costs",
+        lean=cfg.decode.lean_draft,
+        static_base=base,
+    )
+    chosen = choice.eagle2
+    curve = [
+        [r["total_tokens"], r["tokens_per_s"]]
+        for r in sorted(choice.sweep, key=lambda r: r["total_tokens"])
+        if (r["depth"], r["top_k"]) == (chosen["depth"], chosen["top_k"])
+    ]
+    info.update(held_out=bool(held_out), questions=[q.question_id for q in pool], tokens=tokens)
+    log.info("%s: shapes chosen %s", bench_name(bench), {m: choice.decode_fields(m) for m in auto})
+    return {
+        "methods": {m: choice.decode_fields(m) for m in auto},
+        "choice": choice.to_dict(),
+        "costs": costs.to_dict(),
+        "curve": curve,
+        "info": info,
+    }
 
 
 def fit_prompt(ids: list[int], limit: int) -> tuple[list[int], int]:
@@ -310,6 +369,23 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
     }
 
 
+def pick_threads(cfg: EvaluateConfig, target: Target) -> str:
+    """num_threads=null on a CPU: the faster of one thread and torch's default for the target's forwards,
+    measured (eagle_train.decoding.costs.choose_threads); returns how the thread count was set."""
+    if cfg.num_threads:
+        return f"{cfg.num_threads} (num_threads)"
+    default = torch.get_num_threads()
+    if target.device.type != "cpu" or default == 1:
+        return f"{default} (torch's default)"
+    context = min(128, target.max_len // 2)
+    found = choose_threads(target, context, min(32, target.max_len - context), sorted({1, default}))
+    timings = ", ".join(
+        f"{t} thread{'s' * (t > 1)}: {one * 1e3:.2f} / {many * 1e3:.2f} ms"
+        for t, (one, many) in found["seconds"].items()
+    )
+    return f"{found['threads']} (measured: target forward of 1 / 32 tokens, {timings})"
+
+
 def attention_meta(target: Target) -> str:
     """The attention kernels of the run: decode-time forwards (ar, chain, eagle1, eagle2) and HF generate."""
     own, decode = target.attention, target.decode_attention
@@ -335,7 +411,8 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     device = pick_device(cfg.device)
     start = time.perf_counter()
     target = load_target(cfg.target, device)
-    decoders = make_decoders(cfg, target)
+    threads = pick_threads(cfg, target)
+    head = load_head(cfg, target)
     renderer = ChatRenderer(target.tokenizer, cfg.target, target.max_len)
     prompt_limit = target.max_len - cfg.decode.max_new_tokens
     if prompt_limit < 2:
@@ -344,21 +421,24 @@ def evaluate(cfg: EvaluateConfig) -> dict:
             f"{cfg.target.name}'s context of {target.max_len} tokens"
         )
     classify = divergence_classifier(target, cfg.near_tie_ulps)
-    records = [
-        r
-        for bench in cfg.bench
-        for r in evaluate_bench(bench, cfg, decoders, renderer, prompt_limit, classify)
-    ]
+    records, tuning = [], {}
+    for bench in cfg.bench:
+        tuned = tune_bench(bench, cfg, target, head, renderer, prompt_limit)
+        decoders = make_decoders(cfg, target, head, tuned["methods"] if tuned else None)
+        records += evaluate_bench(bench, cfg, decoders, renderer, prompt_limit, classify)
+        if tuned:
+            tuning[bench_name(bench)] = tuned
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_answers(records, out / "answers.jsonl")
     engines = None
     if cfg.engine == "vllm":
-        engine_records, log_notes = run_engine(cfg, target, decoders["chain"].head, records, out)
+        engine_records, log_notes = run_engine(cfg, target, head, records, out)
         write_answers(engine_records, out / "engine_answers.jsonl")
         engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
         engines["sanity"] = log_notes + engines["sanity"]
     meta = run_meta(cfg, target, device, time.perf_counter() - start)
+    meta["threads"] = threads
     report = write_report(
         records,
         out,
@@ -367,6 +447,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
         plots=cfg.plots,
         engines=engines,
         notes=draft_notes(cfg, target),
+        shapes=shape_section(tuning, summarize(records), out, cfg.plots, threads) if tuning else None,
     )
     cut = sum(1 for r in records if r["prompt_cut"])
     if cut:

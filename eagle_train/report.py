@@ -265,6 +265,7 @@ def render_markdown(
     plots: list[str],
     engines_markdown: str | None = None,
     identity: list[str] = (),
+    shapes_markdown: str | None = None,
 ) -> str:
     """report.md: run settings, the table, the engines side by side (if any), the sanity lines (warnings,
     then greedy identity), the plots."""
@@ -275,6 +276,8 @@ def render_markdown(
         "tau = tokens per target forward (accepted drafts + 1); acc@k = P(draft token k accepted | 1..k-1 "
         "accepted); speedup = tokens/s over ar's on the same benchmark, timed in this run."
     )
+    if shapes_markdown:
+        parts += ["", shapes_markdown]
     if engines_markdown:
         parts += ["", engines_markdown]
     parts += ["", "## Sanity", ""]
@@ -293,16 +296,19 @@ def write_report(
     plots: bool = True,
     engines: dict[str, Any] | None = None,
     notes: Sequence[str] = (),
+    shapes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report.
     `engines`: the side-by-side engine section (`eagle_train.report_engines.engine_section`), if any.
-    `notes`: warnings found before decoding (e.g. a head trained for another target), listed first."""
+    `notes`: warnings found before decoding (e.g. a head trained for another target), listed first.
+    `shapes`: the tree-shape section of decode.shape=auto (`eagle_train.report_shapes.shape_section`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     greedy = float(meta.get("temperature", 0.0)) == 0.0
     notes = [*notes, *sanity_checks(rows, min_rounds, greedy), *(engines["sanity"] if engines else [])]
     plot_files = (write_plots(records, rows, out) if plots else []) + (engines["plots"] if engines else [])
+    plot_files += shapes["plots"] if shapes else []
     identity = identity_lines(rows, meta)
     calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
     report = {
@@ -315,10 +321,20 @@ def write_report(
     }
     if engines:
         report["engines"] = engines["rows"]
+    if shapes:
+        report["shapes"] = {"chosen": shapes["rows"], "tuning": shapes["tuning"]}
     atomic_write_json(out / "report.json", report, sort_keys=False)
     atomic_write_text(
         out / "report.md",
-        render_markdown(rows, notes, meta, plot_files, engines["markdown"] if engines else None, identity),
+        render_markdown(
+            rows,
+            notes,
+            meta,
+            plot_files,
+            engines["markdown"] if engines else None,
+            identity,
+            shapes["markdown"] if shapes else None,
+        ),
     )
     return report
 
@@ -346,12 +362,17 @@ def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[Path]:
         ("speedup", _plot_speedup),
     ):
         fig = draw(plt, records, rows)
-        path = out / f"{name}.png"
-        with atomic_path(path, suffix=".png") as tmp:
-            fig.savefig(tmp, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        files.append(path)
+        files.append(save_figure(plt, fig, out / f"{name}.png"))
     return files
+
+
+def save_figure(plt, fig, path: Path) -> Path:
+    """A matplotlib figure written to `path` as PNG (atomically, eagle_train.files) and closed: the one
+    home of how the report's plots are saved."""
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _bench_axes(plt, n: int):

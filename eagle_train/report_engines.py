@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_train.decoding.stats import counts_acceptance, counts_tau
-from eagle_train.files import atomic_path
-from eagle_train.report import BASELINE, _bench_axes, _fmt, spec_counts
+from eagle_train.report import BASELINE, _bench_axes, _fmt, save_figure, spec_counts
 
 BUILTIN = "builtin"
 SPECULATIVE = "chain"
@@ -183,11 +182,7 @@ def plot_engine_acceptance(rows: list[dict], out: Path) -> Path:
             ylim=(0, 1.05),
         )
         ax.legend(fontsize=8)
-    path = out / "acceptance_by_position_engines.png"
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, out / "acceptance_by_position_engines.png")
 
 
 def engine_section(

@@ -1,16 +1,28 @@
-"""Decoding speed on stories260K, greedy, TinyStories prompts: AR baseline, HF generate, chain, EAGLE-1, EAGLE-2.
+"""Decoding speed on stories260K, greedy: AR baseline, HF generate, chain, EAGLE-1, EAGLE-2, and the shapes
+decode.shape=auto chooses, on TinyStories prompts and mt_bench.
 
 All methods run side by side in one process: for every prompt each method generates in turn (R
-repeats, median time per prompt and method), so a busy shared CPU slows them alike. Tokens/s =
+repeats, median time per prompt and method; each pass starts at another method, so no method is always
+first), so a busy shared CPU slows them alike. Tokens/s =
 generated tokens / sum of median times; speedup = tokens/s over the AR baseline's (same harness,
-same cache code). `overhead` = wall time outside the target and draft forwards / wall time.
+same cache code). Per round: draft / verify / other milliseconds (other = the rest of the wall time:
+prefill, the decoder's own loop). `overhead` = wall time outside the target and draft forwards / wall time.
+
+`chain_auto` / `eagle2_auto`: the chain length and EAGLE-2 shape eagle_train.decoding.shapes.tune_shapes
+picks per benchmark (calibrated on --tune-prompts held-out prompts, the ones after the timed ones; cost
+curves cached under bench_results/costs/). `--sweep` also times a coarse grid of EAGLE-2 shapes (depth
+2,3,4,6,8 x top_k 2,4,6,10 x total 8,16,24,40,60,80, the totals a shape can fill) in the same run and
+prints the best next to the choice, with the chosen shape's tokens/s as a share of the best's; then a final
+round times the chosen shape and the sweep's five fastest again side by side (the best of ~100 noisy timings
+is biased up by its own noise, so the choice is judged there).
 
 Without --draft, a head is trained here for a few minutes (a small loop of its own: SmoothL1 on
 features + 0.5 soft CE, batch 32, 3000 steps; 0.5 rather than EAGLE's 0.1 gave tau +0.2 on this target) on the target's own greedy continuations of 513
 TinyStories prompts (not the timed ones); --save-draft keeps it (reuse with --draft). Every speculative output is checked
 token for token against the AR baseline.
 
-    python scripts/bench_decode.py [--draft DIR] [--prompts 16] [--max-new-tokens 128] [--repeats 3]
+    python scripts/bench_decode.py [--draft DIR] [--bench tinystories,mt_bench] [--prompts 16]
+        [--max-new-tokens 128] [--repeats 3] [--sweep]
 Writes bench_results/decode.json.
 """
 
@@ -28,7 +40,11 @@ from omegaconf import OmegaConf
 
 from eagle_train.config import CONF_DIR, TargetConfig, data_path, to_schema
 from eagle_train.config.decode import DecodeConfig
+from eagle_train.data.prompts import load_questions
+from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.shapes import tune_shapes
+from eagle_train.evaluate import fit_prompt
 from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.hf_generate import HFGenerate
@@ -46,7 +62,19 @@ METHODS = {
     "eagle1_cpu": DecodeConfig(method="eagle1", tree="cpu_small"),
     "eagle2_ref_60_5_10": DecodeConfig(method="eagle2", depth=5, top_k=10, total_tokens=60),
     "eagle2_cpu": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=20),  # chosen on this CPU
+    "chain_auto": None,  # chosen per benchmark by decode.shape=auto (tune_shapes)
+    "eagle2_auto": None,
 }
+DEFAULT_METHODS = (
+    "ar,hf,chain4,eagle1_mc_sim_7b_63,eagle1_cpu,eagle2_ref_60_5_10,eagle2_cpu,chain_auto,eagle2_auto"
+)
+SWEEP = [
+    (d, k, t)
+    for d in (2, 3, 4, 6, 8)
+    for k in (2, 4, 6, 10)
+    for t in (8, 16, 24, 40, 60, 80)
+    if t <= k + d * k * k + 1
+]
 
 
 def load_prompts(tokenizer, n: int, offset: int = 0) -> list[list[int]]:
@@ -107,11 +135,16 @@ def time_methods(target, head, prompts, methods, max_new_tokens: int, repeats: i
         decoders[name] = (
             HFGenerate(target, cfg) if cfg.method == "hf" else SpeculativeDecoder(target, head, cfg)
         )
+    names = list(decoders)
+    step = max(1, len(names) // max(1, len(prompts) * repeats))
     for i, prompt in enumerate(prompts):
         runs: dict[str, list] = {name: [] for name in methods}
-        for _ in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method
-            for name, decoder in decoders.items():
-                runs[name].append(decoder.generate(prompt))
+        for r in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method
+            # ... starting at another method each pass, so a drift of the load within a long round (a sweep)
+            # does not always favour the same methods
+            shift = (i * repeats + r) * step % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(decoders[name].generate(prompt))
         reference = runs["ar"][0].tokens if "ar" in runs else None
         for name, rs in runs.items():
             if reference is not None and rs[0].tokens != reference:
@@ -144,22 +177,56 @@ def summarize(results: dict) -> dict:
             "mean_tree_size": statistics.mean(n for s in stats for n in s.tree_size_per_round)
             if accepted
             else 1,
+            "rounds": len(accepted),
+            # per round (ar: per token): draft / verify phases and the rest of the wall time
+            "round_ms": _round_ms(stats, len(accepted) or r["tokens"]) if name != "hf" else None,
             "tokens": r["tokens"],
             "seconds": sum(r["times"]),
         }
     return summary
 
 
-def print_table(summary: dict) -> None:
+def _round_ms(stats, rounds: int) -> dict:
+    total = sum(s.time_total for s in stats)
+    draft, verify = sum(s.time_draft for s in stats), sum(s.time_verify for s in stats)
+    if not draft and not verify:  # ar: every token is one target forward
+        verify = sum(s.time_target_forward for s in stats)
+    return {
+        k: v / rounds * 1e3
+        for k, v in (("draft", draft), ("verify", verify), ("other", total - draft - verify))
+    }
+
+
+def print_table(summary: dict, shapes: dict) -> None:
     print(
-        f"{'method':24s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'tree':>5s} {'overhead':>9s} {'draft':>6s} {'verify':>7s}"
+        f"{'method':24s} {'shape':>12s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'tree':>5s} {'overhead':>9s} "
+        f"{'ms/round draft / verify / other':>32s}"
     )
     for name, s in summary.items():
         ov = "-" if s["overhead_fraction"] is None else f"{s['overhead_fraction']:.1%}"
+        ms = s["round_ms"]
+        split = "-" if ms is None else f"{ms['draft']:.2f} / {ms['verify']:.2f} / {ms['other']:.2f}"
         print(
-            f"{name:24s} {s['tokens_per_s']:8.1f} {s['speedup']:7.2f}x {s['tau']:6.2f} {s['mean_tree_size']:5.1f} "
-            f"{ov:>9s} {s['draft_fraction']:6.1%} {s['verify_fraction']:7.1%}"
+            f"{name:24s} {shapes.get(name, ''):>12s} {s['tokens_per_s']:8.1f} {s['speedup']:7.2f}x {s['tau']:6.2f} "
+            f"{s['mean_tree_size']:5.1f} {ov:>9s} {split:>32s}"
         )
+
+
+def shape_name(cfg: DecodeConfig) -> str:
+    if cfg.method == "eagle2":
+        return f"{cfg.depth}/{cfg.top_k}/{cfg.total_tokens}"
+    return str(cfg.chain_length) if cfg.method == "chain" else ""
+
+
+def bench_prompts(target, bench: str, n: int, offset: int = 0) -> list[list[int]]:
+    """The first turns of a benchmark's questions offset..offset+n, rendered as evaluate renders them."""
+    renderer = ChatRenderer(target.tokenizer, target.cfg, target.max_len)
+    questions = load_questions(bench, offset + n, 1)[offset:]
+    limit = target.max_len - 160
+    return [
+        fit_prompt(renderer.render_prompt([{"role": "user", "content": q.turns[0]}]), limit)[0]
+        for q in questions
+    ]
 
 
 def main() -> None:
@@ -177,7 +244,18 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (1: fastest for this d=64 model on a CPU)"
     )
     ap.add_argument(
-        "--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS)
+        "--methods", default=DEFAULT_METHODS, help="comma-separated subset of " + ",".join(METHODS)
+    )
+    ap.add_argument("--bench", default="tinystories,mt_bench", help="benchmarks, comma-separated")
+    ap.add_argument("--sweep", action="store_true", help="also time a coarse grid of EAGLE-2 shapes")
+    ap.add_argument("--tune-prompts", type=int, default=6, help="held-out calibration prompts (auto shapes)")
+    ap.add_argument("--tune-tokens", type=int, default=48, help="tokens decoded per calibration prompt")
+    ap.add_argument(
+        "--tune-offset",
+        type=int,
+        default=None,
+        help="first calibration prompt (default: after the timed ones; 0: the timed prompts themselves, "
+        "which leaves only the cost model's error between the choice and the sweep's best)",
     )
     ap.add_argument(
         "--eagle2-shapes",
@@ -202,31 +280,112 @@ def main() -> None:
             save_head(
                 head, args.save_draft, {"target": "stories260k", "trained_by": "scripts/bench_decode.py"}
             )
-    methods = {name: METHODS[name] for name in args.methods.split(",")}
+    results = {"args": vars(args), "threads": torch.get_num_threads(), "benches": {}}
+    for bench in args.bench.split(","):
+        results["benches"][bench] = run_bench(target, head, bench, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+def run_bench(target, head, bench: str, args) -> dict:
+    """Tune, time every method (and the sweep) side by side on one benchmark, print the table."""
+    names = args.methods.split(",")
+    methods = {name: METHODS[name] for name in names if METHODS[name] is not None}
     for shape in filter(None, args.eagle2_shapes.split(",")):
         depth, top_k, total = (int(x) for x in shape.split("/"))
         methods[f"eagle2_{depth}_{top_k}_{total}"] = DecodeConfig(
             method="eagle2", depth=depth, top_k=top_k, total_tokens=total
         )
-    prompts = load_prompts(target.tokenizer, args.prompts)
+    tuned = None
+    if "chain_auto" in names or "eagle2_auto" in names:
+        offset = args.prompts if args.tune_offset is None else args.tune_offset
+        calibration = bench_prompts(target, bench, args.tune_prompts, offset=offset)
+        cache = Path(args.out).parent / "costs"
+        choice, _, info = tune_shapes(target, head, calibration, args.tune_tokens, cache)
+        tuned = {"choice": choice.to_dict(), "info": info}
+        if "chain_auto" in names:
+            methods["chain_auto"] = DecodeConfig(method="chain", **choice.decode_fields("chain"))
+        if "eagle2_auto" in names:
+            methods["eagle2_auto"] = DecodeConfig(method="eagle2", **choice.decode_fields("eagle2"))
+        print(
+            f"{bench}: chose chain {choice.chain['chain_length']}, eagle2 {shape_name(methods.get('eagle2_auto', DecodeConfig()))} "
+            f"(tuned in {info['calibration_s'] + info['phases_s'] + (0 if info['costs_reused'] else info['costs_s']):.0f} s)"
+        )
+    if args.sweep:  # a shape already timed (the chosen one, say) is timed once
+        timed = {shape_name(cfg) for cfg in methods.values() if cfg.method == "eagle2"}
+        for d, k, t in SWEEP:
+            if f"{d}/{k}/{t}" not in timed:
+                methods[f"sweep_{d}_{k}_{t}"] = DecodeConfig(
+                    method="eagle2", depth=d, top_k=k, total_tokens=t
+                )
+    prompts = bench_prompts(target, bench, args.prompts)
     time_methods(target, head, prompts[:1], methods, 32, 1)  # warm-up
     summary = summarize(time_methods(target, head, prompts, methods, args.max_new_tokens, args.repeats))
-    print_table(summary)
-    trees = {
-        name: {
-            k: v
-            for k, v in cfg.__dict__.items()
-            if k in ("method", "chain_length", "tree", "depth", "top_k", "total_tokens")
-        }
-        for name, cfg in methods.items()
+    shapes = {name: shape_name(cfg) for name, cfg in methods.items()}
+    print(
+        f"== {bench}: {len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
+    print_table({n: s for n, s in summary.items() if not n.startswith("sweep_")}, shapes)
+    record = {"summary": summary, "shapes": shapes, "tuning": tuned}
+    if args.sweep:
+        record["sweep"] = sweep_report(summary, shapes, tuned)
+        record["final"] = final_round(target, head, prompts, methods, shapes, record["sweep"], args)
+    return record
+
+
+def final_round(target, head, prompts, methods, shapes, sweep: dict, args, top: int = 5) -> dict:
+    """The chosen shape against the sweep's fastest `top`, timed again side by side with one more repeat:
+    the best of ~100 noisy timings is biased up (its noise picked it), so the choice is judged here."""
+    keep = ["ar", "eagle2_auto", *[n for n in sweep["ranked_names"][:top] if n != "eagle2_auto"]]
+    again = {n: methods[n] for n in keep if n in methods}
+    summary = summarize(time_methods(target, head, prompts, again, args.max_new_tokens, args.repeats + 1))
+    ranked = sorted((n for n in summary if n != "ar"), key=lambda n: -summary[n]["tokens_per_s"])
+    print(
+        f"final round: the chosen shape and the sweep's {top} fastest, timed again ({args.repeats + 1} repeats):"
+    )
+    for n in ranked:
+        s = summary[n]
+        mark = "  <- chosen" if n == "eagle2_auto" else ""
+        print(
+            f"  {shapes[n]:>10s} {s['tokens_per_s']:8.1f} tok/s {s['speedup']:6.2f}x tau {s['tau']:.2f}{mark}"
+        )
+    out = {"ranked": [[shapes[n], summary[n]["tokens_per_s"], summary[n]["speedup"]] for n in ranked]}
+    if "eagle2_auto" in summary:
+        share = summary["eagle2_auto"]["tokens_per_s"] / summary[ranked[0]]["tokens_per_s"]
+        print(f"chosen {shapes['eagle2_auto']}: {share:.1%} of the fastest here ({shapes[ranked[0]]})")
+        out.update(chosen_share_of_best=share, chosen_speedup=summary["eagle2_auto"]["speedup"])
+    return out
+
+
+def sweep_report(summary: dict, shapes: dict, tuned: dict | None) -> dict:
+    """The measured sweep, fastest first, printed next to the chosen shape (its tokens/s / the best's)."""
+    eagle2 = {n: s for n, s in summary.items() if shapes[n].count("/") == 2}  # every EAGLE-2 shape timed
+    ranked = sorted(eagle2, key=lambda n: -eagle2[n]["tokens_per_s"])
+    best = ranked[0]
+    print(f"sweep ({len(eagle2)} EAGLE-2 shapes: the coarse grid and the named ones), fastest first:")
+    for n in ranked[:8]:
+        s = eagle2[n]
+        print(
+            f"  {shapes[n]:>10s} {s['tokens_per_s']:8.1f} tok/s {s['speedup']:6.2f}x tau {s['tau']:.2f}{'  <- chosen' if n == 'eagle2_auto' else ''}"
+        )
+    out = {
+        "ranked": [[shapes[n], eagle2[n]["tokens_per_s"], eagle2[n]["tau"]] for n in ranked],
+        "ranked_names": ranked,
+        "best": shapes[best],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"summary": summary, "methods": trees, "args": vars(args), "threads": torch.get_num_threads()}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"wrote {out}")
+    if "eagle2_auto" in eagle2:
+        share = eagle2["eagle2_auto"]["tokens_per_s"] / eagle2[best]["tokens_per_s"]
+        rank = ranked.index("eagle2_auto") + 1
+        print(
+            f"chosen {shapes['eagle2_auto']}: {share:.1%} of the best measured ({shapes[best]}), rank {rank} of {len(ranked)}"
+        )
+        out.update(chosen=shapes["eagle2_auto"], chosen_share_of_best=share, chosen_rank=rank)
+    return out
 
 
 if __name__ == "__main__":

@@ -78,6 +78,42 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
     assert "| tinystories | eagle2 | 2 |" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path):
+    """The evaluate default (decode.shape=auto, decode.tree=auto, threads measured): every speculative
+    method decodes with the shape chosen for it, greedy identity holds, the report says what was chosen
+    and predicted, and a rerun into the same out_dir reuses the cost curves."""
+    base = to_schema(
+        compose(
+            "evaluate",
+            overrides=[
+                f"draft.path={head_dir}",
+                "bench=[tinystories]",
+                "num_questions=1",
+                "decode.max_new_tokens=16",
+                "tune_prompts=1",
+                "tune_tokens=12",
+                f"out_dir={tmp_path}",
+                "progress=false",
+            ],
+        ),
+        EvaluateConfig,
+    )
+    assert base.decode.auto_methods == ("chain", "eagle2", "eagle1") and base.num_threads is None
+    report = run(base)
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert all(a["identical"] for a in answers if a["method"] != "ar")
+    tuning = report["shapes"]["tuning"]["tinystories"]
+    assert set(tuning["methods"]) == {"chain", "eagle2", "eagle1"} and not tuning["info"]["costs_reused"]
+    eagle2 = tuning["methods"]["eagle2"]
+    rounds = [a for a in answers if a["method"] == "eagle2"]
+    assert max(d for a in rounds for d in a["draft_depths"]) <= eagle2["depth"] + 1
+    assert report["meta"]["threads"].startswith("1 ")  # the tests' torch runs one thread
+    assert (tmp_path / "cost_curves.png").stat().st_size > 0
+    again = run(base)
+    assert again["shapes"]["tuning"]["tinystories"]["info"]["costs_reused"]
+
+
 def bf16_eval(target_cfg, head_dir, out, methods, num_questions) -> dict:
     from dataclasses import replace
 

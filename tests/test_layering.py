@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, int]] = [
     ("vocab", 1),
     ("decoding", 1),
     ("report_engines", 1),
+    ("report_shapes", 1),
     ("report", 1),
     ("data.batching", 1),
     ("data.jsonl", 1),
@@ -61,6 +62,7 @@ THIRD_PARTY = {
 EXTRA = {
     "report": {"matplotlib"},
     "report_engines": {"matplotlib"},
+    "report_shapes": {"matplotlib"},
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},

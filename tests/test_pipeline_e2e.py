@@ -16,7 +16,14 @@ REDUCED = {
     "prepare": ["limit=96"],
     "regenerate": ["max_new_tokens=64"],
     "train": ["max_steps=100", "optim.warmup_steps=10", "eval_every=0", "save_every=0", "log_every=50"],
-    "evaluate": ["bench=[tinystories]", "num_questions=2", "decode.max_new_tokens=48", "min_rounds=10"],
+    "evaluate": [
+        "bench=[tinystories]",
+        "num_questions=2",
+        "decode.max_new_tokens=48",
+        "min_rounds=10",
+        "tune_prompts=2",
+        "tune_tokens=16",
+    ],
 }
 
 
@@ -54,8 +61,14 @@ def test_reduced_demo(tmp_path, capsys, experiment):
         "tau_histogram.png",
         "calibration.png",
         "speedup.png",
+        "cost_curves.png",
     ):
         assert (out / name).stat().st_size > 0
+    # decode.shape=auto / decode.tree=auto: every tree chosen from this run's measurements, and stated
+    chosen = {r["method"]: r for r in report["shapes"]["chosen"]}
+    assert set(chosen) == {"chain", "eagle1", "eagle2"}
+    assert all(c["measured_tau"] == rows[m]["tau"] for m, c in chosen.items())
+    assert "## Tree shapes (decode.shape=auto)" in (out / "report.md").read_text()
     row = "| tinystories | eagle2 | 2 |"
     assert capsys.readouterr().out.count(row) == 1  # the report table is printed, once
 

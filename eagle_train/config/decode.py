@@ -12,6 +12,8 @@ from eagle_train.config.base import CONF_DIR
 
 METHODS = ("ar", "hf", "chain", "eagle1", "eagle2")
 SPECULATIVE = ("chain", "eagle1", "eagle2")
+SHAPES = ("auto", "fixed")
+AUTO_TREE_BASE = "mc_sim_7b_63"  # decode.tree=auto prunes this tree, extended by the draft's top-1 chain
 
 
 @dataclass
@@ -21,8 +23,16 @@ class DecodeConfig:
     method: str = (
         "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
     )
+    # auto: the chain length and the EAGLE-2 depth / top_k / total_tokens that decode fastest here, chosen
+    # from measured costs and acceptance (eagle_train.decoding.shapes; the evaluate stage resolves it before
+    # decoding); a method whose fields are set away from their defaults keeps them (decode.depth=3: EAGLE-2
+    # fixed, the chain still chosen) | fixed: chain_length, depth, top_k, total_tokens as given
+    shape: str = "fixed"
     chain_length: int = 4  # chain: draft tokens per round
-    tree: str = "mc_sim_7b_63"  # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path)
+    # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path), or auto: mc_sim_7b_63 plus the draft's
+    # top-1 chain (and its second-best children) to depth 9, pruned to the nodes accepted most often, as many
+    # as decode fastest here (eagle_train.decoding.shapes, resolved by the evaluate stage)
+    tree: str = "mc_sim_7b_63"
     tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
     depth: int = 5  # eagle2: draft forwards per round after the first (tree depth = depth + 1)
     top_k: int = 10  # eagle2: nodes expanded per depth and children kept per node
@@ -42,6 +52,9 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"decode.method must be one of {METHODS}, got {self.method!r}")
+        if self.shape not in SHAPES:
+            raise ValueError(f"decode.shape must be one of {SHAPES}, got {self.shape!r}")
+
         if self.temperature < 0:
             raise ValueError(f"decode.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -52,13 +65,29 @@ class DecodeConfig:
             raise ValueError(f"decode.depth and decode.top_k must be >= 1, got {self.depth}, {self.top_k}")
         if self.total_tokens < 2:
             raise ValueError(f"decode.total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
-        if self.method == "eagle1":  # the tree file is read here, once, never by the decoder
+        if self.method == "eagle1" and (self.tree != "auto" or self.tree_paths is not None):
+            # the tree file is read here, once, never by the decoder
             paths = self.tree_paths if self.tree_paths is not None else load_tree_paths(self.tree)
             self.tree_paths = [[int(r) for r in p] for p in paths]
 
     @property
     def speculative(self) -> bool:
         return self.method in SPECULATIVE
+
+    @property
+    def auto_methods(self) -> tuple[str, ...]:
+        """The methods whose shape is chosen from measured costs: chain and eagle2 under decode.shape=auto,
+        each unless one of its shape fields is set away from its default; eagle1 under decode.tree=auto
+        (until its tree_paths are given)."""
+        fields = {"chain": ("chain_length",), "eagle2": ("depth", "top_k", "total_tokens")}
+        auto = [
+            m
+            for m, names in fields.items()
+            if self.shape == "auto" and all(getattr(self, n) == _SHAPE_DEFAULTS[n] for n in names)
+        ]
+        if self.tree == "auto" and self.tree_paths is None:
+            auto.append("eagle1")
+        return tuple(auto)
 
 
 def load_tree_paths(name: str) -> list[list[int]]:
@@ -76,3 +105,9 @@ def load_tree_paths(name: str) -> list[list[int]]:
     if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
         raise ValueError(f"{path}: expected a `paths:` list of lists of child ranks")
     return [[int(r) for r in p] for p in paths]
+
+
+_SHAPE_DEFAULTS = {
+    name: DecodeConfig.__dataclass_fields__[name].default
+    for name in ("chain_length", "depth", "top_k", "total_tokens")
+}

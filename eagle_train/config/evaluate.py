@@ -18,8 +18,12 @@ class EvaluateConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target model
     draft: DraftConfig = field(default_factory=DraftConfig)  # draft.path: the head to evaluate (any layout)
-    # shared decode settings (the method is set per run); answers of up to 256 tokens
-    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(max_new_tokens=256))
+    # shared decode settings (the method is set per run); answers of up to 256 tokens; the chain length, the
+    # EAGLE-2 shape and the EAGLE-1 tree are chosen per benchmark from measured costs (decode.shape=fixed,
+    # decode.tree=NAME: as given)
+    decode: DecodeConfig = field(
+        default_factory=lambda: DecodeConfig(max_new_tokens=256, shape="auto", tree="auto")
+    )
     # benchmark names (mt_bench humaneval gsm8k alpaca sum qa tinystories) or JSONL paths; one name or a list
     bench: Any = "mt_bench"
     methods: list[str] = field(
@@ -31,9 +35,14 @@ class EvaluateConfig:
     warmup: int = 1  # questions decoded untimed by every method first (allocator and kernel warm-up)
     min_rounds: int = 50  # fewer speculative rounds per (bench, method) puts a warning in the report
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    # torch intra-op threads on the CPU (null = torch's default); a tiny target on a busy CPU runs far faster
-    # with 1 (measured here under load: stories260K greedy 64 tokens 0.27 s with 1 thread, 4.2 s with 2)
+    # torch intra-op threads on the CPU (null = measured: the faster of 1 and torch's default for the target's
+    # forwards, eagle_train.decoding.costs.choose_threads); a tiny target on a busy CPU runs far faster with 1
+    # (measured here under load: stories260K greedy 64 tokens 0.27 s with 1 thread, 4.2 s with 2)
     num_threads: int | None = None
+    # decode.shape=auto: held-out prompts per benchmark (the questions after the first num_questions; the
+    # first ones when there are none) decoded greedily to calibrate the head's acceptance of every shape
+    tune_prompts: int = 3
+    tune_tokens: int = 128  # tokens decoded per calibration prompt (at most decode.max_new_tokens)
     # greedy identity: a differing answer whose first differing token has both candidates within this many
     # ulps of the top logit (in the target's dtype) is a near-tie, not a real divergence (decoding.identity)
     near_tie_ulps: int = 4
@@ -74,5 +83,7 @@ class EvaluateConfig:
             self.engine != "builtin"
         ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
+        if self.tune_prompts < 1 or self.tune_tokens < 2:
+            raise ValueError("tune_prompts must be >= 1 and tune_tokens >= 2")
         if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:
             raise ValueError("warmup, min_rounds and near_tie_ulps must be >= 0")

@@ -140,11 +140,15 @@ class SpeculativeDecoder:
             raise ValueError(f"SpeculativeDecoder runs ar, chain, eagle1 and eagle2, not {cfg.method!r}")
         if cfg.speculative and head is None:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
+        if cfg.method in cfg.auto_methods:
+            raise ValueError(
+                f"decode.shape=auto / decode.tree=auto: {cfg.method}'s shape is chosen from measured costs "
+                "before decoding (eagle_train.decoding.shapes.tune_shapes, as the evaluate stage does); give "
+                "the decoder the chosen fields, or decode.shape=fixed / decode.tree=NAME"
+            )
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
-        self.aux_layers = getattr(head, "aux_layers", None)  # the features the head reads
-        vocab_map = getattr(head, "vocab_map", None)
-        self.vocab_map = None if vocab_map is None else vocab_map.to(self.device)
+        self.aux_layers, self.vocab_map = head_reads(head, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
@@ -338,6 +342,13 @@ class SpeculativeDecoder:
         else:
             self._drafter.reset(self.capacity, self.stats)
         return self._drafter
+
+
+def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:
+    """(the target layers whose inputs the head reads, None: the last hidden state; its draft-to-target id
+    map on `device`, None: it drafts over the target's vocabulary). The one home of that lookup."""
+    vocab_map = getattr(head, "vocab_map", None)
+    return getattr(head, "aux_layers", None), None if vocab_map is None else vocab_map.to(device)
 
 
 def record_rounds(rounds: list[Round], stats: GenerationStats) -> None:

@@ -81,9 +81,7 @@ class Drafter:
     def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Commit pairs (features[i], tokens[i]) at the next positions; tokens [m], features [m, hidden]
         (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1])."""
-        self.cache.crop(self.committed)
-        if self.fed:  # last round's tree region becomes committed columns: attend to them
-            self.mask[:, self.committed :].fill_(True)
+        self.drop_tree()
         m = tokens.shape[0]
         positions = slice(self.committed, self.committed + m)
         hidden, logp = self._forward(
@@ -92,8 +90,22 @@ class Drafter:
         self.cache.advance(m)
         self.committed += m
         self.root = hidden[-1:]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
-        self.fed = 0
         return logp[0]
+
+    def rewind(self, committed: int) -> None:
+        """Forget the committed pairs after the first `committed` (and any tree): a cost measurement
+        times one catch-up again and again at the same position (decoding.costs)."""
+        self.drop_tree()
+        self.committed = committed
+        self.cache.crop(committed)
+
+    def drop_tree(self) -> None:
+        """Forget the tree inputs fed since the last catch-up (the root's draft state is kept), so another
+        tree can be drafted below the same root."""
+        self.cache.crop(self.committed)
+        if self.fed:  # the tree region becomes committed columns again: attend to them
+            self.mask[:, self.committed :].fill_(True)
+        self.fed = 0
 
     def __call__(
         self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int

@@ -208,6 +208,35 @@ def expand_dynamic(
     fed input's fed ancestors and itself (the draft step's mask); its last two rows (the root as a
     parent, no parent) are empty. depth >= 1 (at depth 0 the root's feed index would collide with the
     first fed input's: the decoder finishes plainly instead)."""
+    cands = dynamic_candidates(root_log_probs, step, depth, top_k, total_tokens, vocab_map)
+    return _rerank(root_token, cands, total_tokens)
+
+
+@dataclass
+class Candidates:
+    """What one EAGLE-2 expansion drafted, before the rerank: per level (the root's children, then k * k
+    per depth) the candidates' values (summed log-probs), tokens and own log-probs, the rows fed at each
+    depth, and the fed inputs' ancestor mask. The first L levels of a deeper expansion are exactly the
+    candidates of an expansion of depth L - 1 (a depth's feed never looks ahead): decoding.replay reads
+    every shallower shape off one deep expansion."""
+
+    plan: _DynamicPlan
+    values: list[torch.Tensor]
+    tokens: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+    picks: list[torch.Tensor]
+    ancestors: torch.Tensor
+
+
+def dynamic_candidates(
+    root_log_probs: torch.Tensor,
+    step: DraftStep,
+    depth: int,
+    top_k: int,
+    total_tokens: int,
+    vocab_map: torch.Tensor | None = None,
+) -> Candidates:
+    """The expansion part of `expand_dynamic` (see there)."""
     if depth < 1:
         raise ValueError(f"expand_dynamic needs depth >= 1 (a tree of depth + 1 levels), got {depth}")
     device = root_log_probs.device
@@ -238,16 +267,15 @@ def expand_dynamic(
         picks.append(picked)
         feed_parents = plan.level_parent[d - 1][picked]
         feed_values, tokens = best[:k].unsqueeze(1), child_tok[picked]
-    return _rerank(plan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens)
+    return Candidates(plan, cand_values, cand_tokens, cand_lp, picks, ancestors)
 
 
-def _rerank(
-    plan: _DynamicPlan, root_token, cand_values, cand_tokens, cand_lp, picks, ancestors, total_tokens
-) -> Tree:
+def _rerank(root_token: int, cands: Candidates, total_tokens: int) -> Tree:
     """Keep the best total_tokens - 1 candidates (stable sort: ties to the earlier = shallower one) and
-    build the tree, root first, in candidate order (parents before children). Per-depth lists of
-    candidate values / tokens / log-probs and of the picked rows fed at each depth."""
-    values = torch.cat(cand_values)  # [C]
+    build the tree, root first, in candidate order (parents before children)."""
+    plan, picks, ancestors = cands.plan, cands.picks, cands.ancestors
+    cand_tokens, cand_lp = cands.tokens, cands.log_probs
+    values = torch.cat(cands.values)  # [C]
     num_fed = ancestors.shape[1]
     keep = torch.sort(values, descending=True, stable=True).indices[: total_tokens - 1].sort().values
     root = plan.root_id
