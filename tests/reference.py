@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig
 
 
 class ChainCache:
@@ -23,6 +24,21 @@ class ChainCache:
             value = torch.cat([self.values[layer_idx], value], dim=2)
         self.keys[layer_idx], self.values[layer_idx] = key, value
         return key, value
+
+
+def tiny_head_config(vocab_size: int, **extra) -> LlamaConfig:
+    """The tiny one-layer head shape the head tests share (d 16, GQA 4/2, head_dim 4)."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        max_position_embeddings=64,
+        num_hidden_layers=1,
+        **extra,
+    )
 
 
 def chain_attention_mask(n: int, step: int) -> torch.Tensor:

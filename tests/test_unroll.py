@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from eagle_train.kv_cache import StaticKVCache
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.unroll import unroll
-from tests.reference import dense_unroll
+from tests.reference import dense_unroll, tiny_head_config
 
-CONFIG = LlamaConfig(
-    vocab_size=40,
-    hidden_size=16,
-    intermediate_size=24,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    max_position_embeddings=64,
-    num_hidden_layers=1,
-)
+CONFIG = tiny_head_config(40)
 
 
 def randomised(head):

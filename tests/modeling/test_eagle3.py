@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from eagle_train.kv_cache import StaticKVCache
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.vocab import d2t_from_t2d
-from tests.reference import eagle3_reference_logits
+from tests.reference import eagle3_reference_logits, tiny_head_config
 
-CONFIG = LlamaConfig(
-    vocab_size=50,
-    hidden_size=16,
-    intermediate_size=24,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    max_position_embeddings=64,
-    num_hidden_layers=1,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-)
+CONFIG = tiny_head_config(50, rms_norm_eps=1e-6, rope_theta=10000.0)
 KEPT = torch.tensor([0, 2, 3, 7, 11, 12, 20, 21, 30, 33, 40, 41, 45, 47, 48, 49])  # a draft vocabulary of 16
 
 
