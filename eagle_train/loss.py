@@ -244,6 +244,7 @@ def ttt_loss_sums(
     loss_mask: torch.Tensor,  # [batch, n] bool: mask[j+2+k], the predicted token is an assistant token
     soft: bool = True,
     transform: LogitTransform | None = None,  # the target's output processing (elementwise)
+    kept_lm_head: torch.Tensor | None = None,  # [draft_vocab, d] float32 target_lm_head[draft_ids], if known
 ) -> dict[str, torch.Tensor]:
     """One TTT step's SUMS. ce over the trainable positions (assistant, label kept), against
     softmax(target logits over the kept tokens) (soft) or the label's draft id (hard); correct: draft
@@ -255,7 +256,9 @@ def ttt_loss_sums(
     draft_logp = torch.log_softmax(logits[trainable[mask]], dim=-1)  # [N, draft_vocab]
     if soft:
         with torch.no_grad():
-            kept_logits = target_hidden[trainable].float() @ target_lm_head[draft_ids].float().T
+            if kept_lm_head is None:
+                kept_lm_head = target_lm_head[draft_ids].float()
+            kept_logits = target_hidden[trainable].float() @ kept_lm_head.T
             if transform is not None:
                 kept_logits = transform(kept_logits)
         ce = -(torch.softmax(kept_logits, dim=-1) * draft_logp).sum()

@@ -126,6 +126,8 @@ class Eagle3Objective:
         features = noisy_features(batch, self.cfg, generator)
         head = getattr(model, "module", model)  # the logits of a DDP/DeepSpeed-wrapped head
         draft_ids, t2d, sums = head.vocab_map.to(self.lm_weight.device), self.t2d, {}
+        # the target's LM head rows of the draft vocabulary, gathered once for all the unrolled steps
+        kept_lm_head = self.lm_weight[draft_ids].float() if self.cfg.soft else None
         for k, state in enumerate(unroll(model, batch["input_ids"], features, self.steps)):
             step = ttt_loss_sums(
                 state,
@@ -139,6 +141,7 @@ class Eagle3Objective:
                 shift_left(batch["loss_mask"], k, False),
                 self.cfg.soft,
                 None if self.transform.identity else self.transform,
+                kept_lm_head,
             )
             sums.update({f"{name}_{k}": value for name, value in step.items()})
         return sums
