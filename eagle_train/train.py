@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from tqdm import tqdm
 
+from eagle_train.allocator import map_large_allocations
 from eagle_train.config.base import resolve_path
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
@@ -508,6 +509,7 @@ def nonfinite_report(err: NonFiniteError, state: dict[str, Any], s: Session, min
 def run(cfg: TrainConfig) -> dict[str, float]:
     """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}
     under an exclusive lock on out_dir (eagle_train.lock)."""
+    map_large_allocations()  # freed CPU tensors go back to the OS (eagle_train.allocator)
     accelerator = make_accelerator(cfg)
     with stage_lock(cfg.out_dir, "train", accelerator):
         return train(cfg, accelerator)

@@ -90,7 +90,7 @@ def main() -> None:
         fns = {"chunked": eagle_loss_sums, **({"one_shot": one_shot_sums} if n <= args.one_shot_max else {})}
         found = measure(fns, n, args.vocab, args.hidden, args.repeats)
         rows.append({"positions": n, "chunked": found["chunked"], "one_shot": found.get("one_shot")})
-    print(f"vocab {args.vocab}, hidden {args.hidden}, chunk {chunk_positions(args.vocab)} positions")
+    print(f"vocab {args.vocab}, hidden {args.hidden}, chunk {chunk_positions(args.vocab, 'cpu')} positions")
     print(
         f"{'positions':>9} | {'chunked MiB':>11} {'s':>7} | {'one-shot MiB':>12} {'s':>7} | {'mem ratio':>9} {'time ratio':>10}"
     )

@@ -2,7 +2,7 @@
 
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
-  0 foundation   config/*, files, lock                   stdlib, omegaconf
+  0 foundation   config/*, files, lock, allocator        stdlib, omegaconf
   1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
                  data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, int]] = [
     ("config", 0),
     ("files", 0),
     ("lock", 0),
+    ("allocator", 0),
     ("loss", 1),
     ("logits", 1),
     ("metrics", 1),
