@@ -314,6 +314,8 @@ class Target(TargetParts):
             zero = torch.zeros((), dtype=self.dtype, device=attention_mask.device)
             attention_mask = torch.where(attention_mask, zero, torch.finfo(self.dtype).min)
         decoder, cache_kwarg, lm_head = self._decode_modules
+        if self.cfg.compile_decode:
+            decoder = self._compiled_decoder
         kwargs = {cache_kwarg: HFCacheView(cache)}
         if aux_layers is not None:
             kwargs["output_hidden_states"] = True
@@ -336,6 +338,14 @@ class Target(TargetParts):
         signature check and `get_output_embeddings` cost tens of microseconds per forward."""
         decoder = self.decoder
         return decoder, _cache_kwarg(type(decoder)), self.lm_head
+
+    @functools.cached_property
+    def _compiled_decoder(self) -> nn.Module:
+        """The decoder under `torch.compile` (target.compile_decode), compiled at its first forward. Shapes
+        are dynamic from the start (the query count and the cache length change every call); dynamo traces
+        through `HFCacheView` without a graph break on Llama-style models, and a model it cannot trace
+        runs in pieces (graph breaks), never wrong."""
+        return torch.compile(self._decode_modules[0], dynamic=True)
 
 
 def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
