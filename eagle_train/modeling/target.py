@@ -348,7 +348,7 @@ class Target(TargetParts):
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean attention mask (True = attend) as the additive float mask (0 / dtype's min) that eager
-    attention needs; sdpa takes it too, and converts a boolean one in every layer (once here: 2-4% of a
+    attention needs; sdpa takes it too (converted once here rather than a boolean one in each layer: 2-4% of a
     stories260K verification forward on a CPU, same logits bit for bit)."""
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(mask, zero, torch.finfo(dtype).min)
