@@ -35,6 +35,10 @@ class TargetConfig:
     # null: the whole target on the process's device | auto (or balanced, sequential): one target spread over
     # the node's GPUs by accelerate (a 70B extraction on one process); the inputs go to its first device
     device_map: str | None = None
+    # torch.compile the decoder of decode-time forwards (tree verification, prefill and the ar baseline, so
+    # its ratio stays honest): dynamic shapes, one graph for single-token steps and one for the rest. Off
+    # by default: minutes of compile time per process on a CPU (eagle_train.modeling.target.Target.decode)
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

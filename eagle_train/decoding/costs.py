@@ -100,8 +100,11 @@ def cost_key(
     target, head, context: int, max_nodes: int, max_depth: int, max_k: int, repeats: int
 ) -> dict[str, Any]:
     """What cost curves hold for: (target, device, threads, dtype) and the head's shape, the context
-    length and the grid. The one home of that rule (the cache file name is a hash of it)."""
+    length and the grid. The one home of that rule (the cache file name is a hash of it). A target whose
+    decoder runs compiled (target.compile_decode) is another key (absent otherwise: older files stay valid)."""
+    compiled = bool(getattr(getattr(target, "cfg", None), "compile_decode", False))
     return {
+        **({"compile_decode": True} if compiled else {}),
         "version": COSTS_VERSION,
         "target": _architecture(target.config),
         "head": _architecture(head.config),

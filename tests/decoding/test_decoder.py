@@ -20,6 +20,7 @@ from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.tree import build_tree, shape_from_paths
 from eagle_train.decoding.verify import accept_sampling, process_logits
 from eagle_train.modeling.hf_generate import HFGenerate
+from eagle_train.modeling.target import load_target
 from tests.conftest import DATA
 
 SPEC = {
@@ -303,3 +304,32 @@ def test_greedy_identity_on_cuda(target_cfg, trained_head):
             assert generate(cuda_target, head, cfg, prompt, max_new_tokens=64).tokens == ar.tokens
     finally:
         trained_head.to("cpu")
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_stock(target, target_cfg, trained_head):
+    """target.compile_decode: the compiled decoder's logits and features on a tree equal the stock
+    forward's, and greedy EAGLE-2 on it (and the ar baseline on it) is plain decoding's output token for
+    token. Minutes: two graphs (one-token steps, the rest) are compiled."""
+    compiled = load_target(replace(target_cfg, compile_decode=True))
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 500, (1, 11), generator=g)
+    tree = build_tree(torch.randint(3, 500, (7,), generator=g), [-1, 0, 0, 1, 1, 2, 4])
+    mask = torch.cat([torch.ones(7, 11, dtype=torch.bool), tree.attention_mask], dim=1)[None, None]
+    outputs = []
+    with torch.inference_mode():  # as the decoder runs it: the graphs compiled here are the ones it reuses
+        for model in (target, compiled):
+            cache = model.new_cache(32)
+            model.decode(
+                prefix, torch.arange(11)[None], torch.ones(11, 11, dtype=torch.bool).tril()[None, None], cache
+            )
+            cache.advance(11)
+            outputs.append(model.decode(tree.tokens[None], (tree.depth + 11)[None], mask, cache))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+    for prompt in prompts(target):
+        ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=60)
+        assert (
+            generate(compiled, None, DecodeConfig(method="ar"), prompt, max_new_tokens=60).tokens == ar.tokens
+        )
+        result = generate(compiled, trained_head, SPEC["eagle2"], prompt, max_new_tokens=60)
+        assert result.tokens == ar.tokens and result.stats.tau > 1.3

@@ -7,6 +7,7 @@ No timing is asserted (shared machines): speed is measured by scripts/bench_deco
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -128,15 +129,22 @@ def test_the_cost_cache_is_keyed_and_reused(target, trained_head, costs, tmp_pat
     assert reused and calls == [1] and again.verify_s == first.verify_s
     stored = json.loads(cache_path(tmp_path, key).read_text())
     assert stored["key"] == key and stored["key"]["threads"] == torch.get_num_threads()
-    # another thread count, context or dtype is another entry
+    # another thread count, context or dtype is another entry ...
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
         other_threads = cost_key(target, trained_head, 32, 24, 4, 4, 1)
     finally:
         torch.set_num_threads(threads)
-    others = [other_threads, cost_key(target, trained_head, 64, 24, 4, 4, 1), {**key, "dtype": "bfloat16"}]
-    assert len({cache_path(tmp_path, k) for k in [key, *others]}) == 4
+    # ... and so is a compiled decoder (target.compile_decode: other forward times)
+    compiled = replace(target, cfg=replace(target.cfg, compile_decode=True))
+    others = [
+        other_threads,
+        cost_key(target, trained_head, 64, 24, 4, 4, 1),
+        {**key, "dtype": "bfloat16"},
+        cost_key(compiled, trained_head, 32, 24, 4, 4, 1),
+    ]
+    assert len({cache_path(tmp_path, k) for k in [key, *others]}) == 5
     # a file whose key was edited is measured again
     stored["key"]["context"] = 99
     cache_path(tmp_path, key).write_text(json.dumps(stored))

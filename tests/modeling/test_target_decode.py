@@ -92,3 +92,27 @@ def test_flash_attention_target_decodes_through_sdpa(target_cfg, target):
     head = DraftHead.from_target(flash.config)
     head.share_target_weights(flash)
     assert SpeculativeDecoder(flash, head.eval(), eagle2).generate(prompt).tokens == ar.tokens
+
+
+def test_additive_mask_gives_the_boolean_masks_logits(target):
+    """`decode` hands the stock model an additive float mask (sdpa would convert a boolean mask in every
+    layer): the tree's logits are bit for bit those of the stock decoder given the boolean mask."""
+    from eagle_train.modeling.target import HFCacheView
+
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 500, (1, 9), generator=g)
+    tree = build_tree(torch.randint(3, 500, (6,), generator=g), [-1, 0, 0, 1, 2, 2])
+    mask = torch.cat([torch.ones(6, 9, dtype=torch.bool), tree.attention_mask], dim=1)[None, None]
+    cache = target.new_cache(32)
+    target.decode(prefix, torch.arange(9)[None], causal(9), cache)
+    cache.advance(9)
+    logits, hidden = target.decode(tree.tokens[None], (tree.depth + 9)[None], mask, cache)
+    with torch.no_grad():
+        out = target.decoder(
+            input_ids=tree.tokens[None],
+            position_ids=(tree.depth + 9)[None],
+            attention_mask=mask,
+            use_cache=True,
+            cache=HFCacheView(cache),
+        )
+    assert torch.equal(hidden, out.last_hidden_state) and torch.equal(logits, target.lm_head(hidden))
