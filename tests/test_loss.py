@@ -14,6 +14,7 @@ from eagle_train.loss import (
     shift_left,
     shift_sequence,
     ttt_loss_sums,
+    ttt_target_probs,
 )
 
 
@@ -181,9 +182,9 @@ def _ttt_case(seed=0, b=2, n=7, d=8, vocab=11):
 def test_ttt_loss_restricts_the_target_to_the_draft_vocabulary():
     case, kept, t2d = _ttt_case()
     greedy = (case["target_hidden"] @ case["weight"].T).argmax(-1)
+    probs = ttt_target_probs(case["target_hidden"], case["weight"][kept], case["mask"] & t2d[case["labels"]])
     sums = ttt_loss_sums(
-        case["hidden"], lambda h: h @ case["draft_head"].T, case["target_hidden"], case["weight"], kept, t2d,
-        case["labels"], greedy, case["mask"],
+        case["hidden"], lambda h: h @ case["draft_head"].T, probs, kept, t2d, case["labels"], greedy, case["mask"],
     )  # fmt: skip
     ce, correct, tokens = 0.0, 0, 0
     for b in range(2):
@@ -201,8 +202,8 @@ def test_ttt_loss_restricts_the_target_to_the_draft_vocabulary():
     assert sums["ce"].item() == pytest.approx(ce, rel=1e-5)
     assert sums["correct"] == correct and sums["tokens"] == tokens and sums["positions"] == case["mask"].sum()
     hard = ttt_loss_sums(
-        case["hidden"], lambda h: h @ case["draft_head"].T, case["target_hidden"], case["weight"], kept, t2d,
-        case["labels"], greedy, case["mask"], soft=False,
+        case["hidden"], lambda h: h @ case["draft_head"].T, None, kept, t2d, case["labels"], greedy, case["mask"],
+        soft=False,
     )  # fmt: skip
     trainable = case["mask"] & t2d[case["labels"]]
     draft_index = {int(t): i for i, t in enumerate(kept)}

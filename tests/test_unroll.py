@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle_train import unroll as unroll_module
 from eagle_train.kv_cache import StaticKVCache
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import Eagle3Head
@@ -38,13 +39,45 @@ def inputs(kind: str, b: int = 2, n: int = 9):
     )
 
 
+@pytest.fixture(params=["fused", "scores"])
+def attention(request, monkeypatch):
+    """Both ways `DiagonalCache` attends: the CPU's fused causal kernel joined to the diagonal by its
+    log-sum-exp, and the [n, n] score block (other devices, or a torch without the kernel)."""
+    if request.param == "scores":
+        monkeypatch.setattr(unroll_module, "FLASH_CPU", None)
+    elif unroll_module.FLASH_CPU is None:
+        pytest.skip("this torch has no fused CPU attention kernel")
+    return request.param
+
+
 @pytest.mark.parametrize("kind", sorted(HEADS))
 @torch.no_grad()
-def test_diagonal_attention_equals_the_dense_mask(kind):
+def test_diagonal_attention_equals_the_dense_mask(kind, attention):
     head = randomised(HEADS[kind]())
     ids, feats = inputs(kind)
     fast, dense = unroll(head, ids, feats, 5), dense_unroll(head, ids, feats, 5)
     for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3.1"])
+def test_diagonal_attention_gradients_equal_the_dense_masks(kind, attention):
+    """The fused path's hand-written backward: every parameter's and input feature's gradient of a loss
+    over all the unrolled steps equals autograd's through the dense-mask reference (float64)."""
+    head = randomised(HEADS[kind]())
+    ids, feats = inputs(kind, b=2, n=11)
+    weights = [
+        torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+        for k in range(5)
+    ]
+
+    def gradients(run):
+        head.zero_grad()
+        x = feats.clone().requires_grad_()
+        sum((out * w).sum() for out, w in zip(run(head, ids, x, 5), weights, strict=True)).backward()
+        return [x.grad] + [p.grad for p in head.parameters()]
+
+    for a, b in zip(gradients(unroll), gradients(dense_unroll), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 

@@ -27,6 +27,7 @@ from eagle_train.loss import (
     eagle_loss_sums,
     shift_left,
     ttt_loss_sums,
+    ttt_target_probs,
 )
 from eagle_train.unroll import unroll
 
@@ -106,9 +107,8 @@ class Eagle3Objective:
         hard: the data token t_{j+2})."""
         mask = batch["loss_mask"].bool()
         greedy = torch.zeros_like(batch["target_ids"])
-        greedy[mask] = self.transform(batch["target_hidden"][mask].float() @ self.lm_weight.float().T).argmax(
-            -1
-        )
+        logits = self.transform(batch["target_hidden"][mask].float() @ self.lm_weight.float().T)
+        greedy[mask] = logits.max(-1).indices  # argmax's index (the first maximal one), faster on the CPU
         return {**batch, "greedy": greedy, "labels": greedy if self.cfg.soft else batch["target_ids"]}
 
     @property
@@ -126,22 +126,27 @@ class Eagle3Objective:
         features = noisy_features(batch, self.cfg, generator)
         head = getattr(model, "module", model)  # the logits of a DDP/DeepSpeed-wrapped head
         draft_ids, t2d, sums = head.vocab_map.to(self.lm_weight.device), self.t2d, {}
-        # the target's LM head rows of the draft vocabulary, gathered once for all the unrolled steps
-        kept_lm_head = self.lm_weight[draft_ids].float() if self.cfg.soft else None
+        probs = (  # the soft targets of step 0, shifted for the later steps
+            ttt_target_probs(
+                batch["target_hidden"],
+                self.lm_weight[draft_ids],
+                self._trainable(batch, 0),
+                None if self.transform.identity else self.transform,
+            )
+            if self.cfg.soft
+            else None
+        )
         for k, state in enumerate(unroll(model, batch["input_ids"], features, self.steps)):
             step = ttt_loss_sums(
                 state,
                 head.logits,
-                shift_left(batch["target_hidden"], k, 0.0),
-                self.lm_weight,
+                shift_left(probs, k, 0.0) if probs is not None else None,
                 draft_ids,
                 t2d,
                 shift_left(batch["labels"], k, 0),
                 shift_left(batch["greedy"], k, -1),
                 shift_left(batch["loss_mask"], k, False),
                 self.cfg.soft,
-                None if self.transform.identity else self.transform,
-                kept_lm_head,
             )
             sums.update({f"{name}_{k}": value for name, value in step.items()})
         return sums

@@ -48,11 +48,14 @@ def setup_case(seed: int = 0):
     return head.eval(), lm, samples
 
 
+@pytest.mark.parametrize(
+    "soft, transform", [(True, LogitTransform()), (True, LogitTransform(0.5, 3.0)), (False, LogitTransform())]
+)
 @torch.no_grad()
-def test_each_step_predicts_the_token_k_further_on():
+def test_each_step_predicts_the_token_k_further_on(soft, transform):
     head, lm, samples = setup_case()
     steps = 4
-    objective = Eagle3Objective(LossConfig(ttt_steps=steps, noise="none"), lm, LogitTransform(), head)
+    objective = Eagle3Objective(LossConfig(ttt_steps=steps, noise="none", soft=soft), lm, transform, head)
     batch = objective.prepare(collate(samples))
     sums = objective.sums(head, batch, None)
     states = dense_unroll(head, batch["input_ids"], batch["features"], steps)
@@ -66,14 +69,18 @@ def test_each_step_predicts_the_token_k_further_on():
                 if predicted >= len(ids) or not mask[predicted]:
                     continue
                 assert batch["input_ids"][row, j + k] == ids[j + 1 + k]
-                target_logits = lm @ hidden[predicted - 1]  # lm_head(f_{j+1+k})
+                target_logits = transform(lm @ hidden[predicted - 1])  # lm_head(f_{j+1+k}), processed
                 greedy = int(target_logits.argmax())
+                label = greedy if soft else int(ids[predicted])  # hard: the data token t_{j+2+k}
                 draft_logits = head.logits(states[k][row, j])
                 positions += 1
                 correct += int(kept[draft_logits.argmax()] == greedy)
-                if head.t2d[greedy]:
-                    p = torch.softmax(target_logits[kept], 0)
-                    ce -= float((p * torch.log_softmax(draft_logits, 0)).sum())
+                if head.t2d[label]:
+                    logp = torch.log_softmax(draft_logits, 0)
+                    if soft:
+                        ce -= float((torch.softmax(target_logits[kept], 0) * logp).sum())
+                    else:
+                        ce -= float(logp[int((kept == label).nonzero())])
                     tokens += 1
         assert sums[f"positions_{k}"] == positions and sums[f"tokens_{k}"] == tokens
         assert sums[f"correct_{k}"] == correct
