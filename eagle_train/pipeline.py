@@ -30,12 +30,26 @@ from eagle_train.files import FileFormatError, atomic_write_json, file_sha256, r
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
-    """The argv of a stage: `python -m MODULE ARGS` or `LAUNCHER ARGS`, plus the extra overrides."""
-    head = [sys.executable, "-m", spec.module] if spec.module else list(spec.launcher)
+    """The argv of a stage: `python -m MODULE ARGS`, with `processes` > 1 `accelerate launch --multi_gpu
+    --num_processes N -m MODULE ARGS`, or `LAUNCHER ARGS`; plus the extra overrides."""
+    if spec.module and spec.processes == 1:
+        return [sys.executable, "-m", spec.module, *spec.args, *extra]
+    if spec.module:
+        head = [
+            "accelerate",
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(spec.processes),
+            "-m",
+            spec.module,
+        ]
+    else:
+        head = list(spec.launcher)
     # A launcher installed beside this interpreter (the venv's `accelerate`) is used even when the venv's
     # bin/ is not on PATH, as under `make demo`.
     beside = Path(sys.executable).parent / head[0]
-    if not spec.module and beside.is_file():
+    if beside.is_file():
         head[0] = str(beside)
     return [*head, *spec.args, *extra]
 

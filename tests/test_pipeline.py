@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,20 @@ def test_stage_command_uses_this_interpreter(tmp_path):
     assert evaluate["argv"][:3] == [sys.executable, "-m", "eagle_train.evaluate"]
     assert evaluate["argv"][-1] == "num_questions=1"
     assert not (tmp_path / "pipeline.json").exists()  # a dry run writes nothing
+
+
+def test_a_stage_with_several_processes_runs_under_accelerate_launch(tmp_path):
+    cfg = compose_pipeline([f"run_dir={tmp_path}", "vars.processes=2", "dry_run=true"])
+    argv = {r["stage"]: r["argv"] for r in run(cfg)}
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    launched = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "-m", "eagle_train.regenerate"]
+    assert argv["regenerate"][:7] == launched
+    assert argv["extract"][:3] == [sys.executable, "-m", "eagle_train.extract"]
+    cfg = compose_pipeline([f"run_dir={tmp_path}", "vars.processes=1", "dry_run=true"])
+    assert next(r["argv"] for r in run(cfg) if r["stage"] == "regenerate")[:3] == [
+        sys.executable,
+        "-m",
+        "eagle_train.regenerate",
+    ]
+    with pytest.raises(ValueError, match="processes=2 needs a module"):
+        StageSpec(launcher=["accelerate", "launch", "train.py"], outputs=["y"], processes=2)

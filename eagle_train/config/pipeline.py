@@ -19,11 +19,17 @@ class StageSpec:
     args: list[str] = field(default_factory=list)  # Hydra overrides / CLI arguments of the stage
     outputs: list[str] = field(default_factory=list)  # files present when the stage is done (resume check)
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables, e.g. OMP_NUM_THREADS
+    processes: int = 1  # > 1: the module runs under `accelerate launch --multi_gpu --num_processes N`
     enabled: bool = True  # false: skip the stage
 
     def __post_init__(self) -> None:
         if not self.module and not self.launcher:
             raise ValueError("a pipeline stage needs a module or a launcher")
+        if self.processes < 1 or (self.processes > 1 and not self.module):
+            raise ValueError(
+                f"stage {self.module or self.launcher}: processes={self.processes} needs a module and a count >= 1 "
+                "(a launcher states its own processes)"
+            )
         if self.enabled and not self.outputs:
             raise ValueError(f"stage {self.module or self.launcher}: list its outputs so a rerun can skip it")
 
