@@ -509,7 +509,6 @@ def nonfinite_report(err: NonFiniteError, state: dict[str, Any], s: Session, min
 def run(cfg: TrainConfig) -> dict[str, float]:
     """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}
     under an exclusive lock on out_dir (eagle_train.lock)."""
-    map_large_allocations()  # freed CPU tensors go back to the OS (eagle_train.allocator)
     accelerator = make_accelerator(cfg)
     with stage_lock(cfg.out_dir, "train", accelerator):
         return train(cfg, accelerator)
@@ -518,6 +517,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
 def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
     """The stage under its lock: setup, the loop, the final evaluation and head."""
     session, state = setup(cfg, accelerator)
+    # a large target trained on the CPU: freed activations go back to the OS (eagle_train.allocator)
+    map_large_allocations(session.accelerator.device.type, session.lm_weight.numel())
     fit(cfg, session, state)
     acc = session.accelerator
     head = acc.unwrap_model(session.model)

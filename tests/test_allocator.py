@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a gli
 CHILD = r"""
 import json, sys
 from eagle_train.allocator import map_large_allocations
-done = map_large_allocations() if sys.argv[1] == "set" else None
+done = map_large_allocations("cpu", 2**30) if sys.argv[1] == "set" else None
 import torch
 
 def rss_mb():
@@ -59,3 +59,10 @@ def test_freed_tensors_leave_the_resident_set_only_with_the_threshold_fixed():
 def test_a_threshold_the_user_chose_is_left_alone():
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     assert run_child("set", MALLOC_MMAP_THRESHOLD_="262144", **env)["set"] is False
+
+
+def test_small_targets_and_accelerators_keep_the_default():
+    from eagle_train.allocator import MAPPED_FROM_ELEMENTS, map_large_allocations
+
+    assert map_large_allocations("cpu", MAPPED_FROM_ELEMENTS - 1) is False  # stories260K: 512 x 64
+    assert map_large_allocations("cuda", 2**30) is False
