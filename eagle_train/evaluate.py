@@ -117,6 +117,7 @@ def tune_bench(
         Path(cfg.out_dir) / "costs",
         lean=cfg.decode.lean_draft,
         static_base=base,
+        race=cfg.tune_race,
     )
     chosen = choice.eagle2
     curve = [

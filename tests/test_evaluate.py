@@ -110,6 +110,10 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path):
     assert max(d for a in rounds for d in a["draft_depths"]) <= eagle2["depth"] + 1
     assert report["meta"]["threads"].startswith("1 ")  # the tests' torch runs one thread
     assert (tmp_path / "cost_curves.png").stat().st_size > 0
+    # the EAGLE-2 shape is the race's fastest measured candidate, and the report lists the race
+    race = tuning["choice"]["race"]
+    assert len(race) >= 2 and {k: race[0][k] for k in eagle2} == eagle2
+    assert "timed side by side on the calibration prompts" in (tmp_path / "report.md").read_text()
     again = run(base)
     assert again["shapes"]["tuning"]["tinystories"]["info"]["costs_reused"]
 
