@@ -117,6 +117,7 @@ def tune_bench(
         Path(cfg.out_dir) / "costs",
         lean=cfg.decode.lean_draft,
         static_base=base,
+        race=cfg.tune_race if "eagle2" in auto else 0,  # the race settles EAGLE-2's shape only
     )
     chosen = choice.eagle2
     curve = [

@@ -1,6 +1,6 @@
 """`python -m eagle_train.pipeline experiment=tiny_cpu` (`make demo`): one experiment, end to end.
 
-Runs the experiment preset's stages (prepare, regenerate, extract, train, evaluate) in order, each as
+Runs the experiment preset's stages (prepare, mix, regenerate, extract, train, evaluate) in order, each as
 a subprocess (`python -m eagle_train.<stage> OVERRIDES...`: stage modules are never imported here), all
 writing under one run directory (locked: eagle_train.lock). When a stage finishes, its record
 `<run_dir>/.stages/<stage>.json` keeps the hash of its command, the sha256 of its outputs and of its

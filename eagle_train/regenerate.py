@@ -41,7 +41,7 @@ from tqdm import tqdm
 from eagle_train.config.base import mismatches, resolve_path
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
-from eagle_train.data.sharegpt import check_data_file, load_conversations
+from eagle_train.data.sharegpt import SHAREGPT_ROLES, check_data_file, load_conversations
 from eagle_train.entry import stage_lock, stage_main
 from eagle_train.files import (
     FileFormatError,
@@ -54,7 +54,6 @@ from eagle_train.files import (
 from eagle_train.modeling.target import Target, load_target
 
 log = logging.getLogger(__name__)
-SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
 # ------------------------------------------------------------------------------------------ generation

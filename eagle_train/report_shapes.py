@@ -88,6 +88,21 @@ def shape_markdown(tuning: dict[str, dict], table: list[dict], threads: str | No
             lines.append(
                 f"| {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |"
             )
+        if choice.get("race"):
+            lines += [
+                "",
+                f"Then the best predicted shape of the {len(choice['race'])} fastest predicted depth / top_k "
+                f"pairs, timed side by side on the calibration prompts ({info.get('race_s', 0.0):.1f} s); "
+                "the fastest measured is the choice:",
+                "",
+                "| depth | top_k | total_tokens | predicted tokens/s | measured tau | measured tokens/s |",
+                "|---|---|---|---|---|---|",
+            ]
+            for r in choice["race"]:
+                lines.append(
+                    f"| {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['tokens_per_s']:.1f} | "
+                    f"{r['race_tau']:.2f} | {r['race_tokens_per_s']:.1f} |"
+                )
     return "\n".join(lines)
 
 

@@ -10,7 +10,8 @@ prefill, the decoder's own loop). `overhead` = wall time outside the target and 
 
 `chain_auto` / `eagle2_auto`: the chain length and EAGLE-2 shape eagle_train.decoding.shapes.tune_shapes
 picks per benchmark (calibrated on --tune-prompts held-out prompts, the ones after the timed ones; cost
-curves cached under bench_results/costs/). `--sweep` also times a coarse grid of EAGLE-2 shapes (depth
+curves cached under bench_results/costs/; the EAGLE-2 pick settled by timing --race candidates on those
+prompts: `race_shapes`). `--sweep` also times a coarse grid of EAGLE-2 shapes (depth
 2,3,4,6,8 x top_k 2,4,6,10 x total 8,16,24,40,60,80, the totals a shape can fill) in the same run and
 prints the best next to the choice, with the chosen shape's tokens/s as a share of the best's; then a final
 round times the chosen shape and the sweep's five fastest again side by side (the best of ~100 noisy timings
@@ -258,6 +259,12 @@ def main() -> None:
         "which leaves only the cost model's error between the choice and the sweep's best)",
     )
     ap.add_argument(
+        "--race",
+        type=int,
+        default=4,
+        help="EAGLE-2 candidates the chooser times on the calibration prompts (0: the cost model's pick)",
+    )
+    ap.add_argument(
         "--eagle2-shapes",
         default="",
         help="extra EAGLE-2 shapes to time, e.g. 4/3/12,5/2/10 (depth/top_k/total)",
@@ -325,7 +332,7 @@ def run_bench(target, head, bench: str, args) -> dict:
         offset = args.prompts if args.tune_offset is None else args.tune_offset
         calibration = bench_prompts(target, bench, args.tune_prompts, offset=offset)
         cache = Path(args.out).parent / "costs"
-        choice, _, info = tune_shapes(target, head, calibration, args.tune_tokens, cache)
+        choice, _, info = tune_shapes(target, head, calibration, args.tune_tokens, cache, race=args.race)
         tuned = {"choice": choice.to_dict(), "info": info}
         if "chain_auto" in names:
             methods["chain_auto"] = DecodeConfig(method="chain", **choice.decode_fields("chain"))
@@ -333,8 +340,13 @@ def run_bench(target, head, bench: str, args) -> dict:
             methods["eagle2_auto"] = DecodeConfig(method="eagle2", **choice.decode_fields("eagle2"))
         print(
             f"{bench}: chose chain {choice.chain['chain_length']}, eagle2 {shape_name(methods.get('eagle2_auto', DecodeConfig()))} "
-            f"(tuned in {info['calibration_s'] + info['phases_s'] + (0 if info['costs_reused'] else info['costs_s']):.0f} s)"
+            f"(tuned in {info['calibration_s'] + info['phases_s'] + info['race_s'] + (0 if info['costs_reused'] else info['costs_s']):.0f} s)"
         )
+        for r in choice.race:
+            print(
+                f"  race {r['depth']}/{r['top_k']}/{r['total_tokens']}: predicted {r['tokens_per_s']:.1f}, "
+                f"measured {r['race_tokens_per_s']:.1f} tok/s (tau {r['race_tau']:.2f})"
+            )
     if args.sweep:  # a shape already timed (the chosen one, say) is timed once
         timed = {shape_name(cfg) for cfg in methods.values() if cfg.method == "eagle2"}
         for d, k, t in SWEEP:

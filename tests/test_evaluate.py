@@ -83,22 +83,17 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path):
     """The evaluate default (decode.shape=auto, decode.tree=auto, threads measured): every speculative
     method decodes with the shape chosen for it, greedy identity holds, the report says what was chosen
     and predicted, and a rerun into the same out_dir reuses the cost curves."""
-    base = to_schema(
-        compose(
-            "evaluate",
-            overrides=[
-                f"draft.path={head_dir}",
-                "bench=[tinystories]",
-                "num_questions=1",
-                "decode.max_new_tokens=16",
-                "tune_prompts=1",
-                "tune_tokens=12",
-                f"out_dir={tmp_path}",
-                "progress=false",
-            ],
-        ),
-        EvaluateConfig,
-    )
+    overrides = [
+        f"draft.path={head_dir}",
+        "bench=[tinystories]",
+        "num_questions=1",
+        "decode.max_new_tokens=16",
+        "tune_prompts=1",
+        "tune_tokens=12",
+        f"out_dir={tmp_path}",
+        "progress=false",
+    ]
+    base = to_schema(compose("evaluate", overrides=overrides), EvaluateConfig)
     assert base.decode.auto_methods == ("chain", "eagle2", "eagle1") and base.num_threads is None
     report = run(base)
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
@@ -110,8 +105,15 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path):
     assert max(d for a in rounds for d in a["draft_depths"]) <= eagle2["depth"] + 1
     assert report["meta"]["threads"].startswith("1 ")  # the tests' torch runs one thread
     assert (tmp_path / "cost_curves.png").stat().st_size > 0
-    again = run(base)
-    assert again["shapes"]["tuning"]["tinystories"]["info"]["costs_reused"]
+    # the EAGLE-2 shape is the race's fastest measured candidate, and the report lists the race
+    race = tuning["choice"]["race"]
+    assert len(race) >= 2 and {k: race[0][k] for k in eagle2} == eagle2
+    assert "timed side by side on the calibration prompts" in (tmp_path / "report.md").read_text()
+    # a rerun with EAGLE-2's shape fixed: the cost curves reused, the chain still chosen, no race
+    fixed = to_schema(compose("evaluate", overrides=[*overrides, "decode.depth=2"]), EvaluateConfig)
+    again = run(fixed)["shapes"]["tuning"]["tinystories"]
+    assert again["info"]["costs_reused"] and set(again["methods"]) == {"chain", "eagle1"}
+    assert again["choice"]["race"] == []
 
 
 def bf16_eval(target_cfg, head_dir, out, methods, num_questions) -> dict:

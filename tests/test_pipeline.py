@@ -12,6 +12,8 @@ import pytest
 
 from eagle_train.config.base import to_schema
 from eagle_train.config.pipeline import PipelineConfig, StageSpec
+from eagle_train.data.mix import parse_args as mix_args
+from eagle_train.data.mix import parse_source
 from eagle_train.data.tinystories import parse_args as tinystories_args
 from eagle_train.entry import SCHEMAS, compose
 from eagle_train.pipeline import run
@@ -50,6 +52,10 @@ def test_preset_stages_accept_their_overrides(preset, extra, name, tmp_path):
         config_name = stage_config_name(spec)
         if spec.module == "eagle_train.data.tinystories":
             tinystories_args(spec.args)  # argparse exits on an unknown argument
+        elif spec.module == "eagle_train.data.mix":
+            for source in mix_args(spec.args).source:
+                path, _ = parse_source(source)
+                assert path.startswith(str(tmp_path)) or Path(path).is_file(), source
         elif config_name is not None:  # the stage's own config and schema accept these overrides
             to_schema(compose(config_name, overrides=spec.args), SCHEMAS[config_name])
         else:

@@ -1,4 +1,4 @@
-"""The demo end to end on the real stories260K, with tiny budgets: prepare -> regenerate -> extract ->
+"""The demo end to end on the real stories260K, with tiny budgets: prepare -> mix -> regenerate -> extract ->
 train -> evaluate as subprocesses in a temporary run directory, then a rerun that resumes (skips all)."""
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ def test_reduced_demo(tmp_path, capsys, experiment):
     """The EAGLE-1 demo and the EAGLE-3 one (aux features in the store, an EAGLE-3 head through
     evaluation: every greedy answer equal to plain decoding's)."""
     cfg = to_schema(
-        compose("pipeline", overrides=[f"experiment={experiment}", f"run_dir={tmp_path}"]), PipelineConfig
+        compose(
+            "pipeline",
+            overrides=[f"experiment={experiment}", f"run_dir={tmp_path}", "vars.sharegpt_prompts=24"],
+        ),
+        PipelineConfig,
     )
     cfg.overrides = (
         {**REDUCED, "train": [*REDUCED["train"], "max_steps=40"]}
@@ -41,8 +45,11 @@ def test_reduced_demo(tmp_path, capsys, experiment):
         else REDUCED
     )
     records = run(cfg)
-    assert [r["stage"] for r in records] == ["prepare", "regenerate", "extract", "train", "evaluate"]
+    assert [r["stage"] for r in records] == ["prepare", "mix", "regenerate", "extract", "train", "evaluate"]
     assert not any(r["skipped"] for r in records)
+    # the prompts: the 96 stories and 24 real ShareGPT prompts, each source recorded
+    mix = json.loads((tmp_path / "data" / "prompts.jsonl.stats.json").read_text())
+    assert [s["kept"] for s in mix["sources"]] == [96, 24] and mix["conversations"] == 120
 
     out = tmp_path / "eval"
     report = json.loads((out / "report.json").read_text())

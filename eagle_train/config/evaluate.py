@@ -43,6 +43,10 @@ class EvaluateConfig:
     # first ones when there are none) decoded greedily to calibrate the head's acceptance of every shape
     tune_prompts: int = 3
     tune_tokens: int = 128  # tokens decoded per calibration prompt (at most decode.max_new_tokens)
+    # then the best predicted EAGLE-2 shape of this many of the fastest predicted (depth, top_k) pairs are
+    # timed on the calibration prompts, side by side, and the fastest measured is chosen (0 or 1: the
+    # model's choice as it is; decoding.shapes.race_shapes)
+    tune_race: int = 4
     # greedy identity: a differing answer whose first differing token has both candidates within this many
     # ulps of the top logit (in the target's dtype) is a near-tie, not a real divergence (decoding.identity)
     near_tie_ulps: int = 4
@@ -83,7 +87,7 @@ class EvaluateConfig:
             self.engine != "builtin"
         ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
-        if self.tune_prompts < 1 or self.tune_tokens < 2:
-            raise ValueError("tune_prompts must be >= 1 and tune_tokens >= 2")
+        if self.tune_prompts < 1 or self.tune_tokens < 2 or self.tune_race < 0:
+            raise ValueError("tune_prompts must be >= 1, tune_tokens >= 2 and tune_race >= 0")
         if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:
             raise ValueError("warmup, min_rounds and near_tie_ulps must be >= 0")

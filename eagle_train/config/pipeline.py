@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGE_ORDER = ("prepare", "regenerate", "extract", "train", "evaluate")
+STAGE_ORDER = ("prepare", "mix", "regenerate", "extract", "train", "evaluate")
 
 
 @dataclass

@@ -42,6 +42,7 @@ ROLE_MAP = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant",
     "system": "system",
 }  # fmt: skip
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}  # the roles as we write ShareGPT
 REGENERATE_HINT = (
     "it holds prompts only (no assistant turn in any conversation): generate the replies with the target "
     "first, `python -m eagle_train.regenerate data.path=FILE`, then train on the file it writes"

@@ -9,13 +9,17 @@ per-round overhead (`RoundModel`,
 isolated timings), so predicted tokens/s = tau / round time, for every EAGLE-2 shape (depth 1..max_depth,
 top_k 1..max_k, total_tokens 2..max_nodes; totals beyond a shape's candidates are the same tree and left
 out), every chain length and every pruning of the static tree; `choose_shapes` keeps the fastest of each.
+The model's error between shapes it predicts within a few percent of each other is settled by measurement:
+`race_shapes` decodes the calibration prompts with the best predicted shape of the fastest few (depth,
+top_k) pairs, side by side, and the EAGLE-2 choice is the one that measured fastest.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,9 @@ class ShapeChoice:
     ar_tokens_per_s: float
     sweep: list[dict[str, Any]]  # every EAGLE-2 shape, fastest first
     eagle1: dict[str, Any] | None = None  # tree_paths, nodes, tau, tokens_per_s, round_s (decode.tree=auto)
+    race: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # race_shapes' candidates, fastest measured first
 
     def decode_fields(self, method: str) -> dict[str, int]:
         """The DecodeConfig fields that fix `method`'s chosen shape."""
@@ -56,6 +63,7 @@ class ShapeChoice:
             "ar_tokens_per_s": self.ar_tokens_per_s,
             "sweep": self.sweep[:sweep_rows],
             "shapes_predicted": len(self.sweep),
+            "race": self.race,
         }
 
 
@@ -215,6 +223,73 @@ def choose_static(calibration: Calibration, model: RoundModel) -> dict[str, Any]
     return best
 
 
+def race_candidates(sweep: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The best predicted shape of each of the `n` fastest predicted (depth, top_k) pairs (`sweep` is
+    fastest first): shapes that differ by a node or two are the same tree to a timer, so the race spends
+    its time on trees that really differ."""
+    best: dict[tuple[int, int], dict[str, Any]] = {}
+    for row in sweep:
+        best.setdefault((row["depth"], row["top_k"]), row)
+        if len(best) == n:
+            break
+    return list(best.values())
+
+
+def race_shapes(
+    target,
+    head,
+    prompts: list[list[int]],
+    candidates: list[dict[str, Any]],
+    max_new_tokens: int,
+    repeats: int = 3,
+    lean: bool = True,
+) -> list[dict[str, Any]]:
+    """Decode every prompt with every candidate EAGLE-2 shape (greedy, the real decoder), `repeats` times
+    round-robin, each pass starting at another candidate, so the load of the moment falls on all alike.
+    Per candidate: the median seconds per prompt (the prefill left out: it is the same for every shape),
+    summed; measured tokens/s = tokens / those seconds. Returns the candidates with `race_tokens_per_s`,
+    `race_tau` and `race_s` added, fastest measured first."""
+    decoders = [
+        SpeculativeDecoder(
+            target,
+            head,
+            DecodeConfig(
+                method="eagle2",
+                depth=c["depth"],
+                top_k=c["top_k"],
+                total_tokens=c["total_tokens"],
+                max_new_tokens=max_new_tokens,
+                lean_draft=lean,
+            ),
+        )
+        for c in candidates
+    ]
+    seconds, tokens, rounds = [0.0] * len(decoders), [0] * len(decoders), [[0, 0] for _ in decoders]
+    for i, prompt in enumerate(prompts):
+        times: list[list[float]] = [[] for _ in decoders]
+        for r in range(repeats):
+            shift = (i * repeats + r) % len(decoders)
+            for j in list(range(shift, len(decoders))) + list(range(shift)):
+                stats = decoders[j].generate(prompt).stats
+                times[j].append(stats.time_total - stats.time_prefill)
+                if r == 0:
+                    tokens[j] += max(stats.new_tokens - 1, 0)  # the first token comes from the prefill
+                    rounds[j][0] += stats.rounds
+                    rounds[j][1] += sum(a + 1 for a in stats.accepted_per_round)
+        for j, t in enumerate(times):
+            seconds[j] += statistics.median(t)
+    out = [
+        {
+            **c,
+            "race_s": s,
+            "race_tokens_per_s": n / s if s > 0 else 0.0,
+            "race_tau": emitted / count if count else 1.0,
+        }
+        for c, s, n, (count, emitted) in zip(candidates, seconds, tokens, rounds, strict=True)
+    ]
+    return sorted(out, key=lambda r: -r["race_tokens_per_s"])
+
+
 def context_bucket(prompts: list[list[int]], max_new_tokens: int, limit: int, step: int = 64) -> int:
     """The context length costs are measured at: the mean prompt plus half the answer, rounded up to
     `step` (so nearby runs share a cost cache), within `limit`."""
@@ -234,10 +309,14 @@ def tune_shapes(
     repeats: int = 5,
     lean: bool = True,
     static_base: list[list[int]] | None = None,
+    race: int = 4,
+    race_repeats: int = 3,
 ) -> tuple[ShapeChoice, CostCurves, dict[str, Any]]:
     """Calibrate on `prompts` (decoded greedily here), measure (or reuse from `cache_dir`) the cost
     curves at their context length, and choose (the static tree too when `static_base` is given: its
-    candidates are `auto_tree_paths(static_base)`). Returns (choice, costs, what it took)."""
+    candidates are `auto_tree_paths(static_base)`); then, when `race` > 1, time the best predicted shape of
+    the `race` fastest (depth, top_k) pairs on the same prompts (`race_shapes`) and keep the fastest
+    measured as the EAGLE-2 choice. Returns (choice, costs, what it took)."""
     start = time.perf_counter()
     sequences = greedy_sequences(target, prompts, max_new_tokens, lookahead=max_depth + 1)
     static = auto_tree_paths(static_base, max_depth) if static_base is not None else None
@@ -252,6 +331,17 @@ def tune_shapes(
     )
     phases_start = time.perf_counter()
     model = measure_phases(target, head, sequences, costs, max_new_tokens, lean=lean)
+    phases_s = time.perf_counter() - phases_start
+    choice = choose_shapes(calibration, model)
+    race_start = time.perf_counter()
+    if race > 1:
+        candidates = race_candidates(choice.sweep, race)
+        if len(candidates) > 1:
+            prompts_only = [prompt for prompt, _ in sequences]
+            choice.race = race_shapes(
+                target, head, prompts_only, candidates, max_new_tokens, race_repeats, lean
+            )
+            choice.eagle2 = {k: v for k, v in choice.race[0].items() if not k.startswith("race_")}
     info = {
         "calibration_prompts": len(prompts),
         "calibration_rounds_positions": sum(hi - lo for lo, hi in calibration.spans),
@@ -260,7 +350,8 @@ def tune_shapes(
         "costs_s": costs.seconds,
         "costs_reused": reused,
         "costs_file": str(cache_path(cache_dir, key)),
-        "phases_s": time.perf_counter() - phases_start,
+        "phases_s": phases_s,
+        "race_s": time.perf_counter() - race_start,
         "round_model": {
             "draft_fixed_s": model.draft_fixed,
             "draft_scale": model.draft_scale,
@@ -270,4 +361,4 @@ def tune_shapes(
             "ar_token_s": model.ar_token_s,
         },
     }
-    return choose_shapes(calibration, model), costs, info
+    return choice, costs, info

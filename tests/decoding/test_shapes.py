@@ -16,7 +16,14 @@ from eagle_train.config.decode import DecodeConfig, load_tree_paths
 from eagle_train.decoding.costs import cache_path, cached_costs, cost_key, measure_costs, monotone
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.replay import auto_tree_paths, calibrate, greedy_sequences, replay_tau
-from eagle_train.decoding.shapes import RoundModel, choose_shapes, fit_line, tune_shapes
+from eagle_train.decoding.shapes import (
+    RoundModel,
+    choose_shapes,
+    fit_line,
+    race_candidates,
+    race_shapes,
+    tune_shapes,
+)
 
 NEW = 24  # no TinyStories story ends this early: no stop token, so the replay is exact
 
@@ -100,6 +107,37 @@ def test_the_choice_is_the_argmax_of_its_own_model(calibration, costs):
     assert choice.decode_fields("eagle2") == {k: best[k] for k in ("depth", "top_k", "total_tokens")}
 
 
+def test_the_race_takes_the_best_predicted_shape_of_the_fastest_depth_top_k_pairs(calibration, costs):
+    sweep = choose_shapes(calibration, costs).sweep
+    picked = race_candidates(sweep, 3)
+    pairs = [(r["depth"], r["top_k"]) for r in picked]
+    assert len(picked) == 3 and len(set(pairs)) == 3
+    # in the sweep's order, each the first (fastest predicted) row of its pair
+    firsts = {}
+    for r in sweep:
+        firsts.setdefault((r["depth"], r["top_k"]), r)
+    assert picked == list(firsts.values())[:3]
+    assert race_candidates(sweep[:1], 4) == sweep[:1]
+
+
+def test_the_race_times_the_real_decoder_and_ranks_by_what_it_measured(target, trained_head, prompts):
+    shapes = [
+        {"depth": 3, "top_k": 4, "total_tokens": 16, "tokens_per_s": 1.0},
+        {"depth": 1, "top_k": 2, "total_tokens": 3, "tokens_per_s": 2.0},
+    ]
+    raced = race_shapes(target, trained_head, prompts, shapes, NEW, repeats=2)
+    assert sorted((r["depth"], r["top_k"], r["total_tokens"]) for r in raced) == [(1, 2, 3), (3, 4, 16)]
+    assert raced[0]["race_tokens_per_s"] >= raced[1]["race_tokens_per_s"] > 0
+    for r in raced:  # the predictions are carried over, tau is what the decoder accepted
+        assert r["tokens_per_s"] == (1.0 if r["depth"] == 3 else 2.0)
+        shape = {"depth": r["depth"], "top_k": r["top_k"], "total_tokens": r["total_tokens"]}
+        assert r["race_tau"] == pytest.approx(
+            decoded_tau(target, trained_head, prompts, method="eagle2", **shape)
+        )
+        # tokens / seconds: every prompt decodes NEW tokens, the first of them from the prefill
+        assert r["race_tokens_per_s"] == pytest.approx(len(prompts) * (NEW - 1) / r["race_s"])
+
+
 def test_the_phase_fit_is_a_line_with_a_fixed_part_or_through_the_origin():
     assert fit_line([(1.0, 3.0), (2.0, 5.0), (4.0, 9.0)]) == pytest.approx((1.0, 2.0))
     assert fit_line([(1.0, 0.5), (3.0, 4.5)]) == pytest.approx((0.0, 14.0 / 10.0))  # intercept < 0
@@ -159,6 +197,11 @@ def test_tune_shapes_end_to_end_reuses_its_cache(target, trained_head, prompts, 
     )
     assert not info["costs_reused"] and (tmp_path / info["costs_file"].split("/")[-1]).is_file()
     assert choice.eagle2["depth"] <= 3 and choice.eagle2["total_tokens"] <= 16
+    # the race settled the EAGLE-2 choice: its fastest measured candidate, each a predicted shape
+    assert len(choice.race) >= 2 and info["race_s"] > 0
+    shape = lambda r: (r["depth"], r["top_k"], r["total_tokens"])  # noqa: E731
+    assert shape(choice.eagle2) == shape(choice.race[0])
+    assert {shape(r) for r in choice.race} <= {shape(r) for r in choice.sweep}
     _, _, again = tune_shapes(
         target, trained_head, prompts[:2], 16, tmp_path, max_depth=3, max_k=3, max_nodes=16, repeats=1
     )
