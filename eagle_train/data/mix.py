@@ -7,7 +7,7 @@ JSON array or JSONL, `from`/`value`, `role`/`content` or `messages`; prompt-only
 N conversations kept (`:N`; all without), and written in source order as ShareGPT JSONL
 `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}]}`; an id already used by an earlier
 source gets `_dup<k>` (counted). Bad input raises DataError naming the file and the record. The output is
-written atomically, with `<out>.stats.json` beside it: each source's path, sha256, limit and counts (read,
+streamed (one conversation in memory at a time) and written atomically, with `<out>.stats.json` beside it: each source's path, sha256, limit and counts (read,
 kept, dropped by reason, repaired), so the mix a head was trained on can always be told.
 
 The CPU demo regenerates a mix of TinyStories prompts and real ShareGPT prompts (`conf/experiment/tiny_cpu.yaml`):
@@ -30,7 +30,7 @@ from eagle_train.data.sharegpt import (
     iter_conversations,
     unique_id,
 )
-from eagle_train.files import atomic_write_json, atomic_write_text, file_sha256
+from eagle_train.files import atomic_write_json, atomic_write_lines, file_sha256
 
 
 def parse_source(spec: str) -> tuple[str, int | None]:
@@ -45,39 +45,41 @@ def parse_source(spec: str) -> tuple[str, int | None]:
 
 
 def mix_conversations(out: str | Path, sources: list[tuple[str, int | None]]) -> dict[str, Any]:
-    """Write the mix of `sources` [(path, limit)] to `out` (and `<out>.stats.json`); returns the stats."""
+    """Write the mix of `sources` [(path, limit)] to `out` (and `<out>.stats.json`), streaming: one
+    conversation in memory at a time; returns the stats."""
     if not sources:
         raise ValueError("no source given: source=FILE[:N], once per file")
     out = Path(out)
-    resolved = {Path(path).resolve() for path, _ in sources}
-    if out.resolve() in resolved:
+    if out.resolve() in {Path(path).resolve() for path, _ in sources}:
         raise ValueError(f"{out}: the output is one of the sources")
-    lines, seen, stats = [], {}, []
-    for path, limit in sources:
-        report = DropReport()
-        kept = 0
-        for conversation in iter_conversations(path, report, require_replies=False, limit=limit):
-            turns = [
-                {"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in conversation["messages"]
-            ]
-            record_id = unique_id(conversation["id"], seen, report)
-            lines.append(json.dumps({"id": record_id, "conversations": turns}, ensure_ascii=False))
-            kept += 1
-        if kept == 0:
-            raise DataError(f"{path}: no conversation kept (limit {limit})")
-        stats.append(
-            {
-                "path": str(path),
-                "sha256": file_sha256(path),
-                "limit": limit,
-                "read": report.seen,
-                "kept": kept,
-                "dropped": dict(report.counts),
-                "fixes": dict(report.fixes),
-            }
-        )
-    atomic_write_text(out, "\n".join(lines) + "\n")
-    summary = {"conversations": len(lines), "sources": stats}
+    seen: dict[str, int] = {}
+    stats: list[dict[str, Any]] = []
+
+    def lines():
+        for path, limit in sources:
+            report, kept = DropReport(), 0
+            for conversation in iter_conversations(path, report, require_replies=False, limit=limit):
+                turns = [
+                    {"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]}
+                    for m in conversation["messages"]
+                ]
+                record = {"id": unique_id(conversation["id"], seen, report), "conversations": turns}
+                yield json.dumps(record, ensure_ascii=False) + "\n"
+                kept += 1
+            stats.append(
+                {
+                    "path": str(path),
+                    "sha256": file_sha256(path),
+                    "limit": limit,
+                    "read": report.seen,
+                    "kept": kept,
+                    "dropped": dict(report.counts),
+                    "fixes": dict(report.fixes),
+                }
+            )
+
+    atomic_write_lines(out, lines())
+    summary = {"conversations": sum(s["kept"] for s in stats), "sources": stats}
     atomic_write_json(out.with_name(f"{out.name}.stats.json"), summary)
     return summary
 

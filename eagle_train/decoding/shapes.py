@@ -41,9 +41,8 @@ class ShapeChoice:
     ar_tokens_per_s: float
     sweep: list[dict[str, Any]]  # every EAGLE-2 shape, fastest first
     eagle1: dict[str, Any] | None = None  # tree_paths, nodes, tau, tokens_per_s, round_s (decode.tree=auto)
-    race: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # race_shapes' candidates, fastest measured first
+    # race_shapes' candidates with what they measured, fastest measured first (empty: no race)
+    race: list[dict[str, Any]] = field(default_factory=list)
 
     def decode_fields(self, method: str) -> dict[str, int]:
         """The DecodeConfig fields that fix `method`'s chosen shape."""
@@ -337,10 +336,7 @@ def tune_shapes(
     if race > 1:
         candidates = race_candidates(choice.sweep, race)
         if len(candidates) > 1:
-            prompts_only = [prompt for prompt, _ in sequences]
-            choice.race = race_shapes(
-                target, head, prompts_only, candidates, max_new_tokens, race_repeats, lean
-            )
+            choice.race = race_shapes(target, head, prompts, candidates, max_new_tokens, race_repeats, lean)
             choice.eagle2 = {k: v for k, v in choice.race[0].items() if not k.startswith("race_")}
     info = {
         "calibration_prompts": len(prompts),
