@@ -102,3 +102,9 @@ def mismatches(
         for key in sorted(set(exp) | set(got))
         if exp.get(key, "<missing>") != got.get(key, "<missing>")
     ]
+
+
+def flag_argv(argv: list[str]) -> list[str]:
+    """`key=value` arguments (Hydra-like) as argparse's `--key=value`, for the small argparse commands
+    (`eagle_train.data.tinystories`, `eagle_train.data.mix`); `--key value` passes unchanged."""
+    return [f"--{a}" if "=" in a and not a.startswith("-") else a for a in argv]

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle_train.config.base import expand_data_ref
+from eagle_train.config.base import expand_data_ref, flag_argv
 from eagle_train.data.sharegpt import (
     SHAREGPT_ROLES,
     DataError,
@@ -86,7 +86,7 @@ def mix_conversations(out: str | Path, sources: list[tuple[str, int | None]]) ->
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Accepts `key=value` (Hydra-like) as well as `--key value`."""
-    argv = [f"--{a}" if "=" in a and not a.startswith("-") else a for a in argv]
+    argv = flag_argv(argv)
     parser = argparse.ArgumentParser(
         prog="python -m eagle_train.data.mix", description=__doc__.split("\n")[0]
     )

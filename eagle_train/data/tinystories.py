@@ -25,7 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-from eagle_train.config.base import data_path
+from eagle_train.config.base import data_path, flag_argv
 from eagle_train.data.jsonl import jsonl_records
 from eagle_train.files import atomic_write_text
 
@@ -88,7 +88,7 @@ def build_tinystories_conversations(
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Accepts `key=value` (Hydra-like) as well as `--key value`."""
-    argv = [f"--{a}" if "=" in a and not a.startswith("-") else a for a in argv]
+    argv = flag_argv(argv)
     parser = argparse.ArgumentParser(
         prog="python -m eagle_train.data.tinystories", description=__doc__.split("\n")[0]
     )

@@ -95,6 +95,22 @@ class RoundModel:
         return 1.0 / (self.ar_token_s or self.costs.verify(1))
 
 
+def eagle2_decoder(
+    target, head, shape: tuple[int, int, int], max_new_tokens: int, lean: bool
+) -> SpeculativeDecoder:
+    """The real decoder for an EAGLE-2 shape (depth, top_k, total_tokens), greedy."""
+    depth, top_k, total = shape
+    cfg = DecodeConfig(
+        method="eagle2",
+        depth=depth,
+        top_k=top_k,
+        total_tokens=total,
+        max_new_tokens=max_new_tokens,
+        lean_draft=lean,
+    )
+    return SpeculativeDecoder(target, head, cfg)
+
+
 # a small, a middle and a large tree: the draft / verify balance at both ends and between
 PROBE_SHAPES = ((2, 2, 8), (4, 4, 16), (6, 6, 48))
 
@@ -125,21 +141,7 @@ def measure_phases(
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens))
     grid = (len(costs.expand_s), len(costs.expand_s[0]), costs.max_nodes)
     probes = sorted({tuple(min(x, top) for x, top in zip(p, grid, strict=True)) for p in probes})
-    decoders = [
-        SpeculativeDecoder(
-            target,
-            head,
-            DecodeConfig(
-                method="eagle2",
-                depth=d,
-                top_k=k,
-                total_tokens=t,
-                max_new_tokens=max_new_tokens,
-                lean_draft=lean,
-            ),
-        )
-        for d, k, t in probes
-    ]
+    decoders = [eagle2_decoder(target, head, (d, k, t), max_new_tokens, lean) for d, k, t in probes]
     keys = ("draft", "verify", "other", "draft_curve", "verify_curve", "rounds")
     sums = [dict.fromkeys(keys, 0.0) for _ in decoders]  # per probe
     ar_time, ar_tokens = 0.0, 0
@@ -249,18 +251,7 @@ def race_shapes(
     summed; measured tokens/s = tokens / those seconds. Returns the candidates with `race_tokens_per_s`,
     `race_tau` and `race_s` added, fastest measured first."""
     decoders = [
-        SpeculativeDecoder(
-            target,
-            head,
-            DecodeConfig(
-                method="eagle2",
-                depth=c["depth"],
-                top_k=c["top_k"],
-                total_tokens=c["total_tokens"],
-                max_new_tokens=max_new_tokens,
-                lean_draft=lean,
-            ),
-        )
+        eagle2_decoder(target, head, (c["depth"], c["top_k"], c["total_tokens"]), max_new_tokens, lean)
         for c in candidates
     ]
     seconds, tokens, rounds = [0.0] * len(decoders), [0] * len(decoders), [[0, 0] for _ in decoders]
