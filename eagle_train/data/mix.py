@@ -7,11 +7,13 @@ JSON array or JSONL, `from`/`value`, `role`/`content` or `messages`; prompt-only
 N conversations kept (`:N`; all without), and written in source order as ShareGPT JSONL
 `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}]}`; an id already used by an earlier
 source gets `_dup<k>` (counted). Bad input raises DataError naming the file and the record. The output is
-streamed (one conversation in memory at a time) and written atomically, with `<out>.stats.json` beside it: each source's path, sha256, limit and counts (read,
-kept, dropped by reason, repaired), so the mix a head was trained on can always be told.
+streamed (one conversation in memory at a time) and written atomically, with `<out>.stats.json` beside it:
+each source's path, sha256, limit and counts (read, kept, dropped by reason, repaired), so the mix a head
+was trained on can always be told.
 
-The CPU demo regenerates a mix of TinyStories prompts and real ShareGPT prompts (`conf/experiment/tiny_cpu.yaml`):
-a head that has seen the target answer chat-style questions accepts more on mt_bench.
+The CPU demo regenerates a mix of TinyStories prompts and real ShareGPT prompts
+(`conf/experiment/tiny_cpu.yaml`): a head that has seen the target answer chat-style questions accepts more
+on mt_bench.
 """
 
 from __future__ import annotations
