@@ -250,7 +250,12 @@ def main() -> None:
     ap.add_argument("--bench", default="tinystories,mt_bench", help="benchmarks, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also time a coarse grid of EAGLE-2 shapes")
     ap.add_argument("--tune-prompts", type=int, default=6, help="held-out calibration prompts (auto shapes)")
-    ap.add_argument("--tune-tokens", type=int, default=48, help="tokens decoded per calibration prompt")
+    ap.add_argument(
+        "--tune-tokens",
+        type=int,
+        default=None,
+        help="tokens decoded per calibration prompt (default --max-new-tokens: as long as the timed answers)",
+    )
     ap.add_argument(
         "--tune-offset",
         type=int,
@@ -332,7 +337,8 @@ def run_bench(target, head, bench: str, args) -> dict:
         offset = args.prompts if args.tune_offset is None else args.tune_offset
         calibration = bench_prompts(target, bench, args.tune_prompts, offset=offset)
         cache = Path(args.out).parent / "costs"
-        choice, _, info = tune_shapes(target, head, calibration, args.tune_tokens, cache, race=args.race)
+        tokens = args.tune_tokens or args.max_new_tokens
+        choice, _, info = tune_shapes(target, head, calibration, tokens, cache, race=args.race)
         tuned = {"choice": choice.to_dict(), "info": info}
         if "chain_auto" in names:
             methods["chain_auto"] = DecodeConfig(method="chain", **choice.decode_fields("chain"))

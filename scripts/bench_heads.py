@@ -40,6 +40,7 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle3": ["draft.type=eagle3"],  # reference TTT: 7 steps, decay 0.8, the full 512-token vocabulary
     "eagle3.1": ["draft.type=eagle3", "draft.fc_norm=true", "draft.norm_output=true"],
     "eagle3_ttt3": ["draft.type=eagle3", "loss.ttt_steps=3"],
+    "eagle3_ttt2": ["draft.type=eagle3", "loss.ttt_steps=2"],
     "eagle3_vocab256": ["draft.type=eagle3", "draft.vocab_size=256"],
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree

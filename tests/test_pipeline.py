@@ -64,6 +64,19 @@ def test_preset_stages_accept_their_overrides(preset, extra, name, tmp_path):
             assert importlib.util.find_spec(spec.module) is not None, spec.module
 
 
+@pytest.mark.parametrize("preset", ["tiny_cpu", "tiny_cpu_eagle3"])
+@pytest.mark.parametrize("processes, tokens", [(1, 4096), (2, 2048), (4, 1024)])
+def test_demo_training_step_holds_4096_tokens_on_any_process_count(preset, processes, tokens):
+    """vars.processes shares the demo's training step out: the same optimizer step on any count."""
+    spec = compose_pipeline([f"experiment={preset}", f"vars.processes={processes}"]).stages["train"]
+    assert spec.processes == processes and f"max_tokens={tokens}" in spec.args
+
+
+def test_per_process_refuses_an_uneven_split():
+    with pytest.raises(ValueError, match="4096 does not split evenly over 3 processes"):
+        compose_pipeline(["experiment=tiny_cpu", "vars.processes=3"])  # resolved as the preset composes
+
+
 def prepare_only(tmp_path, limit: int, **kw) -> PipelineConfig:
     out = tmp_path / "convs.jsonl"
     spec = StageSpec(

@@ -54,7 +54,7 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def test_shipped_configs_compose(tmp_path):
     cfg = make_cfg(tmp_path / "store", tmp_path)
-    assert cfg.optim.lr == 1e-3 and cfg.loss.token_weight == 0.1 and cfg.loss.soft
+    assert cfg.optim.lr == 1e-2 and cfg.loss.token_weight == 0.1 and cfg.loss.soft
     default = to_schema(compose("train", overrides=["features=x"]), TrainConfig)
     assert default.optim.lr == 3e-5 and default.optim.betas == [0.9, 0.95] and default.optim.clip == "value"
     with pytest.raises(ValueError, match="features=DIR"):

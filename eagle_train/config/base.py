@@ -59,6 +59,17 @@ def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("data"):
         # ${data:models/stories260K} -> the shipped data folder's file (absolute path)
         OmegaConf.register_new_resolver("data", lambda rel="": str(data_path(rel)))
+    if not OmegaConf.has_resolver("per_process"):
+        # ${per_process:4096,${vars.processes}} -> 2048 on 2 processes: one total shared out evenly
+        OmegaConf.register_new_resolver("per_process", per_process)
+
+
+def per_process(total: int, processes: int) -> int:
+    """`total` split evenly over `processes` (a batch's tokens: the same optimizer step on any count)."""
+    total, processes = int(total), int(processes)
+    if processes < 1 or total % processes:
+        raise ValueError(f"per_process: {total} does not split evenly over {processes} processes")
+    return total // processes
 
 
 _register_resolvers()

@@ -49,7 +49,7 @@ class OptimConfig:
     800000 / processes steps: about 0.58x the peak after 20 epochs of 68k conversations on 4 GPUs.
     """
 
-    lr: float = 3e-5  # peak learning rate (reference, 7B targets; ~1e-3 for stories260K)
+    lr: float = 3e-5  # peak learning rate (reference, 7B targets; 1e-2 for stories260K: conf/recipe/stories260k_cpu.yaml)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     weight_decay: float = 0.0  # AdamW decoupled weight decay (the reference: 0.01, torch's AdamW default)
     eps: float = 1e-8  # AdamW epsilon

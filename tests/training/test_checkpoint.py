@@ -61,7 +61,7 @@ def same_weights(a: Path, b: Path) -> bool:
         ("max_steps=8", "settings.max_steps: checkpoint 6, this run 8"),
         ("grad_accum=2", "settings.grad_accum: checkpoint 1, this run 2"),
         ("epochs=3", "settings.epochs: checkpoint 20, this run 3"),
-        ("optim.lr=0.002", "settings.optim.lr: checkpoint 0.001, this run 0.002"),
+        ("optim.lr=0.002", "settings.optim.lr: checkpoint 0.01, this run 0.002"),
         ("seed=1", "settings.seed"),
     ],
 )
