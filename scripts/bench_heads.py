@@ -130,16 +130,17 @@ def seconds_per_step(work: Path, store: Path, name: str, calib_steps: int, reuse
     return rates[len(rates) // 2]
 
 
-def evaluate(work: Path, name: str, run: Path, questions: int, reuse: bool) -> dict:
-    """The evaluate stage on the head trained in `run`: returns report.json's rows by (bench, method)."""
-    out = work / "eval" / name
+def evaluate(work: Path, run: Path, questions: int, reuse: bool) -> dict:
+    """The evaluate stage on the head trained in `run`: returns report.json's rows by (bench, method).
+    Its directory names the run and the question count, so --reuse never hands back another's report."""
+    out = work / "eval" / f"{run.name}_q{questions}"
     if not (reuse and (out / "report.json").is_file()):
         args = [f"draft.path={run / 'final'}", "bench=[tinystories,mt_bench]"]
         args += [f"num_questions={questions}", "methods=[ar,eagle2]", "decode.max_new_tokens=128", *TREE]
         stage(
             "eagle_train.evaluate",
             [*args, "num_threads=1", "plots=false", f"out_dir={out}"],
-            work / "logs" / f"eval_{name}.log",
+            work / "logs" / f"eval_{out.name}.log",
         )
     report = json.loads((out / "report.json").read_text())
     return {f"{r['bench']}/{r['method']}": r for r in report["results"]}
@@ -156,7 +157,8 @@ def budget_run(work: Path, store: Path, name: str, args: argparse.Namespace) -> 
     """Head `name` trained for --minutes of its own measured training time, then evaluated."""
     per_step = seconds_per_step(work, store, name, args.calib_steps, args.reuse)
     steps = max(1, int(args.minutes * 60 / per_step))
-    run = train(work, store, name, steps, "budget", args.reuse)
+    tag = f"budget{args.minutes:g}min"  # a run of another budget is never reused for this one
+    run = train(work, store, name, steps, tag, args.reuse)
     steps = read_steps(run)
     loop_s = sum(n * s for n, s in windows(run))
     fresh = False
@@ -165,7 +167,7 @@ def budget_run(work: Path, store: Path, name: str, args: argparse.Namespace) -> 
         per_step = loop_s / steps
         steps = max(1, int(args.minutes * 60 / per_step))
         print(f"{name}: {loop_s:.0f} s for the budget; again with {steps} steps", flush=True)
-        run = train(work, store, name, steps, "budget", False)
+        run = train(work, store, name, steps, tag, False)
         loop_s = sum(n * s for n, s in windows(run))
     print(f"{name}: {steps} steps at {per_step:.3f} s/step, training loop {loop_s:.0f} s", flush=True)
     return {
@@ -175,7 +177,7 @@ def budget_run(work: Path, store: Path, name: str, args: argparse.Namespace) -> 
         "train_s": loop_s,  # the training loop's own time (setup and the final evaluation excluded)
         "stage_s": float((run / "wall_s").read_text()),
         "held_out": held_out(run),
-        "eval": evaluate(work, name, run, args.questions, args.reuse and not fresh),
+        "eval": evaluate(work, run, args.questions, args.reuse and not fresh),
     }
 
 
@@ -238,7 +240,7 @@ def main() -> None:
             "steps": int(steps),
             "train_s": sum(n * s for n, s in windows(run)),
             "held_out": held_out(run),
-            "eval": evaluate(work, spec, run, args.questions, args.reuse),
+            "eval": evaluate(work, run, args.questions, args.reuse),
         }
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # each head: its own process, 1 thread
         done = pool.map(lambda name: budget_run(work, aux_store, name, args), names)
