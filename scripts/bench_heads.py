@@ -220,7 +220,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench_results" / "heads.json"))
     args = ap.parse_args()
     names = [n for n in args.heads.split(",") if n]
-    unknown = [n for n in names if n not in HEADS]
+    fixed = [spec.partition("@") for spec in filter(None, args.fixed_steps.split(","))]
+    bad = [f"{n}{at}{k}" for n, at, k in fixed if not (at and k.isdigit() and int(k) > 0)]
+    if bad:
+        raise SystemExit(f"--fixed-steps takes name@steps (steps > 0), got {bad}")
+    unknown = [n for n in [*names, *(n for n, _, _ in fixed)] if n not in HEADS]
     if unknown:
         raise SystemExit(f"unknown heads {unknown}; known: {', '.join(HEADS)}")
     work = Path(args.work)
@@ -228,12 +232,12 @@ def main() -> None:
     aux_store, aux_counts = extract(work, data, True, args.reuse)
     _, plain_counts = extract(work, data, False, args.reuse)
     stores = {"eagle1": plain_counts["bytes_per_token"], "eagle3": aux_counts["bytes_per_token"]}
-    if not names and not args.fixed_steps:
+    if not names and not fixed:
         print(f"data and stores ready in {work}: {aux_counts['tokens']} tokens")
         return
     results = {}
-    for spec in filter(None, args.fixed_steps.split(",")):  # name@steps: no budget, these steps exactly
-        name, steps = spec.split("@")
+    for name, _, steps in fixed:  # name@steps: no budget, these steps exactly
+        spec = f"{name}@{steps}"
         run = train(work, aux_store, name, int(steps), f"steps{steps}", args.reuse)
         results[spec] = {
             "overrides": HEADS[name],
