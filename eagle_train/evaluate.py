@@ -32,7 +32,7 @@ from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.costs import choose_threads
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.identity import classify_answer
+from eagle_train.decoding.identity import check_against_model, classify_answer
 from eagle_train.decoding.shapes import tune_shapes
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
@@ -249,6 +249,22 @@ def divergence_classifier(target: Target, ulps: int) -> Callable[[list[int], lis
     return classify
 
 
+def check_model_identity(records: list[dict], target: Target, ulps: int) -> None:
+    """Set `model_check` on every greedy answer: is each token the MODEL's own choice, by a teacher-forced
+    cache-free forward of the target (decoding.identity.check_against_model)? One forward per distinct
+    (prompt, answer): answers equal to ar's share its check."""
+
+    def sequence_logits(ids: list[int]) -> torch.Tensor:
+        return target.features(torch.tensor([ids], device=target.device))[0][0]
+
+    done: dict[tuple[tuple[int, ...], tuple[int, ...]], dict] = {}
+    for r in records:
+        key = (tuple(r["prompt_ids"]), tuple(r["tokens"]))
+        if key not in done:
+            done[key] = check_against_model(r["prompt_ids"], r["tokens"], sequence_logits, target.dtype, ulps)
+        r["model_check"] = done[key]
+
+
 def evaluate_bench(
     bench: str, cfg: EvaluateConfig, decoders, renderer, prompt_limit: int, classify=None
 ) -> list[dict]:
@@ -426,7 +442,10 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     for bench in cfg.bench:
         tuned = tune_bench(bench, cfg, target, head, renderer, prompt_limit)
         decoders = make_decoders(cfg, target, head, tuned["methods"] if tuned else None)
-        records += evaluate_bench(bench, cfg, decoders, renderer, prompt_limit, classify)
+        bench_records = evaluate_bench(bench, cfg, decoders, renderer, prompt_limit, classify)
+        if cfg.check_model and cfg.decode.temperature == 0:
+            check_model_identity(bench_records, target, cfg.near_tie_ulps)
+        records += bench_records
         if tuned:
             tuning[bench_name(bench)] = tuned
     out = Path(cfg.out_dir)

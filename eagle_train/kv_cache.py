@@ -1,7 +1,8 @@
 """A preallocated key/value cache shared by the target and the draft head at decode time.
 
 One buffer `kv` `[2, layers, batch, kv_heads, capacity, head_dim]` (keys = kv[0], values = kv[1]),
-allocated once per generation. `seq_len` is the number of committed slots. A forward writes its `q` new entries at
+allocated once per generation; when values are narrower than keys (MLA: DeepSeek-V3's values are
+`v_head_dim` wide, its keys `qk_nope_head_dim + qk_rope_head_dim`) each is a view of its own width. `seq_len` is the number of committed slots. A forward writes its `q` new entries at
 `[seq_len, seq_len + q)` in every layer (`update`) and attends over `[0, seq_len + q)`; the caller then
 commits them (`advance`), drops them (`crop`) or keeps a subset (`compact`, used after tree
 verification to keep the accepted path). Nothing is allocated per step.
@@ -54,12 +55,17 @@ class StaticKVCache:
         batch_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ):
         # one buffer for keys and values: a compaction is one gather, a fused writer one copy (`update_kv`)
+        value_dim = head_dim if value_dim is None else value_dim
+        width = max(head_dim, value_dim)
         self.kv = torch.zeros(
-            (2, num_layers, batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device
+            (2, num_layers, batch_size, num_kv_heads, capacity, width), dtype=dtype, device=device
         )
-        self.keys, self.values = self.kv[0], self.kv[1]  # [layers, batch, kv_heads, capacity, head_dim]
+        # [layers, batch, kv_heads, capacity, head_dim / value_dim]
+        self.keys, self.values = self.kv[0, ..., :head_dim], self.kv[1, ..., :value_dim]
+        self.equal_widths = head_dim == value_dim
         self.capacity = capacity
         self.seq_len = 0
         # per-layer views: `update` runs once per layer per forward, and narrow() on a ready view is
@@ -85,7 +91,9 @@ class StaticKVCache:
 
     def update_kv(self, layer_idx: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`update` for keys and values stacked as kv [2, batch, kv_heads, q, head_dim] (may be a strided
-        view): one copy instead of two."""
+        view): one copy instead of two. Keys and values of one width only."""
+        if not self.equal_widths:
+            raise ValueError("update_kv: keys and values of this cache have different widths; use update")
         start, q = self.seq_len, kv.shape[3]
         if start + q > self.capacity:
             raise ValueError(f"KV cache overflow: {start + q} slots needed, capacity {self.capacity}")

@@ -12,6 +12,8 @@ An answer record (one line of answers.jsonl) is one turn of one question decoded
     divergence: {kind, index, gap, ulp}    (a differing greedy answer) near_tie or divergence at its first
                                            differing token (eagle_train.decoding.identity)
     identity: "prompt_differs"             (greedy, not compared) an earlier turn parted from ar's
+    model_check: {kind, index, ...}        (greedy) whether every token is the model's own choice by its
+                                           teacher-forced cache-free forward: identical / near_tie / divergence
 
 tau = mean accepted tokens per round (accepted + 1), over all rounds of a (bench, method). Acceptance at
 position k = P(draft token k accepted | tokens 1..k-1 accepted), over rounds that drafted k tokens.
@@ -123,6 +125,7 @@ def summarize_group(records: list[dict]) -> dict[str, Any]:
     wall = sum(r["wall_s"] for r in records)
     checked = [r["identical"] for r in records if r.get("identical") is not None]
     near_ties = sum(1 for r in records if r.get("identical") is False and _divergence_kind(r) == "near_tie")
+    model = [r["model_check"]["kind"] for r in records if r.get("model_check")]
     return {
         "bench": records[0]["bench"],
         "method": records[0]["method"],
@@ -139,6 +142,11 @@ def summarize_group(records: list[dict]) -> dict[str, Any]:
         "near_ties": near_ties,  # differing answers whose first differing token is a near-tie
         "divergences": len(checked) - sum(checked) - near_ties,  # every other differing answer
         "identity_not_comparable": sum(1 for r in records if r.get("identity") == "prompt_differs"),
+        # against the model's own teacher-forced forward (decoding.identity.check_against_model)
+        "model_checked": len(model),
+        "model_identical": sum(1 for kind in model if kind == "identical"),
+        "model_near_ties": sum(1 for kind in model if kind == "near_tie"),
+        "model_divergences": sum(1 for kind in model if kind == "divergence"),
         "prompts_cut": sum(1 for r in records if r.get("prompt_cut")),
     }
 
@@ -174,6 +182,12 @@ def sanity_checks(rows: list[dict], min_rounds: int, greedy: bool) -> list[str]:
                 f"{name}: {row['divergences']} of {row['identity_checked']} greedy answers differ from ar "
                 "other than at a near-tie: the decoder is not lossless here"
             )
+        if row.get("model_divergences"):
+            notes.append(
+                f"{name}: {row['model_divergences']} of {row['model_checked']} greedy answers are not what the "
+                "model itself chooses (its teacher-forced, cache-free forward) other than at a near-tie: the "
+                "decode-time forward does not compute this model"
+            )
         if row["method"] != BASELINE and row["speedup"] is None:
             notes.append(f"{name}: no ar baseline in this run, so no speedup")
         if row.get("prompts_cut"):
@@ -208,6 +222,12 @@ def identity_lines(rows: list[dict], meta: dict[str, Any]) -> list[str]:
     ulps, dtype = meta.get("near_tie_ulps", "a few"), meta.get("target_dtype", "the target's dtype")
     lines = []
     for row in rows:
+        if row.get("model_checked"):
+            lines.append(
+                f"{row['bench']}/{row['method']}: vs the model's own forward (teacher-forced, cache-free): "
+                f"{row['model_identical']} identical, {row['model_near_ties']} near-tie, "
+                f"{row['model_divergences']} real divergence, of {row['model_checked']}"
+            )
         if row["method"] == BASELINE or not row["identity_checked"]:
             continue
         line = (
@@ -217,7 +237,7 @@ def identity_lines(rows: list[dict], meta: dict[str, Any]) -> list[str]:
         if row.get("identity_not_comparable"):
             line += f" ({row['identity_not_comparable']} more not comparable: an earlier turn parted from ar)"
         lines.append(line)
-    if any(row.get("near_ties") for row in rows):
+    if any(row.get("near_ties") or row.get("model_near_ties") for row in rows):
         lines.append(
             f"near-tie: the first differing token's two candidates are within {ulps} ulps of the top logit "
             f"({dtype}): tree and one-token forwards round differently, expected below float32; only a real "

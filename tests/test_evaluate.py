@@ -70,6 +70,9 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
     assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"] // 2
     rows = {(r["bench"], r["method"]): r for r in report["results"]}
     assert rows[("tinystories", "ar")]["speedup"] == pytest.approx(1.0)
+    # every greedy answer is the model's own choice by its teacher-forced, cache-free forward
+    assert all(a["model_check"] == {"kind": "identical"} for a in answers)
+    assert rows[("two_turns", "ar")]["model_identical"] == rows[("two_turns", "ar")]["model_checked"] == 2
     assert rows[("tinystories", "eagle2")]["identical"] == 2 and rows[("two_turns", "chain")]["answers"] == 2
     assert all(r["tau"] >= 1.0 for r in rows.values())
     assert any("rounds (< 1000)" in n for n in report["sanity"])  # too few rounds is flagged
@@ -312,3 +315,44 @@ def test_a_head_trained_for_other_weights_is_flagged_in_the_report(target_cfg, t
     report = run(cfg)
     assert any("trained for a target with other weights" in note for note in report["sanity"])
     assert "other weights" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_a_bug_shared_by_ar_and_every_method_is_caught_by_the_model_check(tmp_path, monkeypatch):
+    """The failure the ar-vs-speculative comparison cannot see: a decode path that ignores a sliding
+    window (as it did before the masks carried it), in ar and chain alike. ar and chain agree with each
+    other, and the check against the model's own teacher-forced forward reports real divergences."""
+    import dataclasses
+
+    import eagle_train.modeling.target as target_module
+    from eagle_train.modeling.attention_layout import AttentionLayout
+    from eagle_train.modeling.target import load_target
+    from tests.modeling.test_family_decode import save_family
+
+    cfg = save_family("mistral", tmp_path / "mistral")  # 16-token window; prompts run past it
+    head_dir = save_head(
+        DraftHead.from_target(load_target(cfg).config), tmp_path / "head", {"target": cfg.name}
+    )
+    monkeypatch.setattr(target_module, "check_decode", lambda target: None)
+    monkeypatch.setattr(
+        target_module, "attention_layout", lambda config: AttentionLayout({"all": None}, per_layer_type=False)
+    )
+    report = run(
+        EvaluateConfig(
+            target=dataclasses.replace(cfg, stop_token_ids=[]),
+            draft=DraftConfig(path=str(head_dir)),
+            bench=["tinystories"],
+            methods=["ar", "chain"],
+            num_questions=3,
+            out_dir=str(tmp_path / "eval"),
+            num_threads=1,
+            decode=DecodeConfig(max_new_tokens=24, shape="fixed"),
+            plots=False,
+            progress=False,
+        )
+    )
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["chain"]["identical"] == 3  # ar and chain share the bug: they agree
+    assert rows["ar"]["model_divergences"] == 3 and rows["chain"]["model_divergences"] == 3
+    assert any(
+        "ar: 3 of 3 greedy answers are not what the model itself chooses" in n for n in report["sanity"]
+    )

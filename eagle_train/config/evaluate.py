@@ -50,6 +50,11 @@ class EvaluateConfig:
     # greedy identity: a differing answer whose first differing token has both candidates within this many
     # ulps of the top logit (in the target's dtype) is a near-tie, not a real divergence (decoding.identity)
     near_tie_ulps: int = 4
+    # greedy answers checked against the MODEL itself: one teacher-forced, cache-free forward of the target over
+    # prompt + answer must choose every answer token (decoding.identity.check_against_model). ar shares the
+    # speculative methods' cache and mask code; this is the reference that does not. One forward per distinct
+    # answer (answers identical to ar's share its check): far cheaper than decoding it
+    check_model: bool = True
     plots: bool = True  # write the PNG plots
     # builtin: this project's decoder only | vllm: also run the head in a real vLLM on the same prompt token
     # ids (no speculation, and a chain of decode.chain_length tokens) and report both engines side by side

@@ -27,8 +27,9 @@ class TargetConfig:
     # Longest TRAINING sequence (extraction, online training) when data.max_len is not set; null = max_len.
     # The GPU presets set 2048 (the reference's): a 128k context would keep 10-30k-token conversations.
     train_max_len: int | None = None
-    # eager | sdpa | flash_attention_2 (flash takes no 4-D tree mask: decoding runs sdpa, hf keeps flash)
-    attn_implementation: str = "sdpa"
+    # eager | sdpa | flash_attention_2 (flash takes no 4-D tree mask: decoding runs sdpa, hf keeps flash);
+    # null = sdpa where the model has it, else eager (gpt-oss: its attention sinks have no sdpa kernel)
+    attn_implementation: str | None = None
     # EAGLE-3: the decoder layers whose INPUTS (low, mid, high) are the head's features, ids 0..L-1;
     # null = `default_aux_layers(L)` (the reference's 2, L//2, L-3 where those are distinct)
     aux_layers: list[int] | None = None

@@ -11,6 +11,11 @@ part at that token and continue from different prefixes. The contract the evalua
     within `ulps` ulps of the top logit, in the logits' dtype, on the common prefix.
 
 Anything else is a REAL DIVERGENCE (a bug: the decoder emitted a token the target did not choose).
+
+Plain decoding (`ar`) is itself checked against the MODEL (`check_against_model`): one teacher-forced,
+cache-free forward of the model over prompt + answer must choose every answer token (up to the same
+near-ties). `ar` shares the speculative methods' cache and mask code, so this is the check that sees a
+bug common to all of them (a sliding window the cache ignores).
 The report counts identical answers, near-ties and real divergences; only real divergences mean "not
 lossless". (On a CPU, stories260K in bf16 parts from plain decoding at a near-tie in most answers.)
 """
@@ -73,3 +78,27 @@ def classify_answer(
         return {"index": index, "kind": "divergence", "gap": None, "ulp": None, "tokens": []}
     logits = next_logits(prompt + reference[:index])
     return {"index": index, **classify_divergence(logits, reference[index], tokens[index], dtype, ulps)}
+
+
+def check_against_model(
+    prompt: list[int],
+    tokens: list[int],  # a greedy answer to `prompt`
+    sequence_logits: Callable[[list[int]], torch.Tensor],  # ids -> the model's logits [len(ids), vocab]
+    dtype: torch.dtype,
+    ulps: int,
+) -> dict:
+    """Whether every token of a greedy answer is the MODEL's own choice, from one teacher-forced forward of
+    the model over prompt + answer (its own cache-free forward and masks: a reference that shares nothing
+    with the decoder's cache and tree-mask code, so a bug common to `ar` and the speculative methods shows).
+    {"kind": "identical"} or, at the first token that is not the model's argmax, {"index", "kind":
+    "near_tie" | "divergence", "gap", "ulp", "tokens": [the model's token, the answer's]}."""
+    if not tokens:
+        return {"kind": "identical"}
+    # [len(tokens), vocab]: the logits each answer token was chosen from
+    logits = sequence_logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+    choices = logits.argmax(dim=-1).tolist()
+    index = first_divergence(choices, tokens)
+    if index is None:
+        return {"kind": "identical"}
+    found = classify_divergence(logits[index], choices[index], tokens[index], dtype, ulps)
+    return {"index": index, **found}

@@ -68,9 +68,19 @@ class KVCache(Protocol):
 
 
 def draft_llama_config(target_config: PretrainedConfig, num_layers: int = 1) -> LlamaConfig:
-    """The draft's Llama config: the target's shapes and RoPE with `num_layers` layers."""
+    """The draft's Llama config: the target's shapes and RoPE with `num_layers` layers. The draft is a Llama
+    layer whatever the target (as vLLM and SGLang build it): SiLU MLP; an MLA target's `head_dim` (its RoPE
+    width) is not an attention head's width, so the draft's heads are hidden_size / heads wide; a target
+    with RoPE per layer type (Gemma-3: local and global) gives the draft its global (full-attention) RoPE."""
     src = target_config.to_dict()
     kwargs = {k: src[k] for k in _LLAMA_FIELDS if k in src and src[k] is not None}
+    kwargs["hidden_act"] = "silu"
+    if "qk_rope_head_dim" in src:
+        kwargs.pop("head_dim", None)
+    rope = kwargs.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        kwargs["rope_parameters"] = dict(rope["full_attention"])
+        kwargs.pop("rope_theta", None)
     shape = attention_shape(kwargs)
     kwargs.update(head_dim=shape.head_dim, num_key_value_heads=shape.kv_heads)
     config = LlamaConfig(**kwargs, num_hidden_layers=num_layers, tie_word_embeddings=False)

@@ -13,11 +13,14 @@ cache, writing the new keys/values after the committed slots. A prefill is `deco
 a tree verification is `decode` with the tree mask and positions prefix + depth; the caller then keeps
 the accepted path with `StaticKVCache.compact`. No patched modeling code: the cache reaches the model
 through `HFCacheView`, which speaks the `Cache.update(key, value, layer_idx)` call of the attention layers.
+What the model's own mask functions add to causality (sliding windows per layer type) is added to that mask
+(`modeling.attention_layout`), and before its first decode-time use a target must pass `check_decode`: a
+cached prefill, a tree verification and a plain step on a probe longer than its widest window give the
+logits and features of the model's own cache-free forwards, or the target is refused, naming what differs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import inspect
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -36,11 +40,20 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers import __version__ as transformers_version
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.target import TargetConfig, resolve_aux_layers
-from eagle_train.kv_cache import StaticKVCache, attention_shape
+from eagle_train.kv_cache import StaticKVCache
 from eagle_train.logits import LogitTransform
+from eagle_train.modeling.attention_layout import (
+    AttentionLayout,
+    UnsupportedAttention,
+    additive_mask,
+    attention_implementation,
+    attention_layout,
+)
+from eagle_train.modeling.decode_check import check_decode
 
 log = logging.getLogger(__name__)
 # Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
@@ -283,17 +296,59 @@ class Target(TargetParts):
         )
         return fallback
 
+    @functools.cached_property
+    def attention_layout(self) -> AttentionLayout:
+        """The windows of the masks the model reads (UnsupportedAttention for what decoding cannot
+        reproduce: recurrent layers, chunked or bidirectional attention)."""
+        return attention_layout(self.decoder.config)
+
+    @functools.cached_property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """(key/value heads, key width, value width) as the model's attention layers write them to a cache,
+        read off a one-token forward (MLA's keys and values differ in width; every layer must agree)."""
+        recorder = CacheShapeRecorder()
+        decoder, cache_kwarg, _ = self._decode_modules
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        mask = additive_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device), self.dtype)
+        try:
+            with torch.no_grad(), attention_implementation(decoder.config, self.decode_attention):
+                decoder(input_ids=ids, position_ids=ids, attention_mask=mask, use_cache=True,
+                        **{cache_kwarg: recorder})  # fmt: skip
+        except (AttributeError, NotImplementedError, TypeError) as error:
+            raise UnsupportedAttention(
+                f"{self.config.model_type}: its layers use a cache the built-in decoder does not provide "
+                f"({type(error).__name__}: {error}); not supported by the built-in decoder"
+            ) from error
+        shapes = set(recorder.shapes.values())
+        if len(recorder.shapes) != self.num_layers or len(shapes) != 1:
+            raise UnsupportedAttention(
+                f"{self.config.model_type}: {len(recorder.shapes)} of {self.num_layers} layers write a key/value "
+                f"cache, of shapes {sorted(shapes)}; the built-in decoder's cache needs one shape in every layer"
+            )
+        return shapes.pop()
+
+    @functools.cached_property
+    def decode_checked(self) -> bool:
+        """True once `check_decode` passed for this target (run at the first `new_cache`)."""
+        check_decode(self)
+        return True
+
     def new_cache(self, capacity: int) -> StaticKVCache:
-        """A preallocated KV cache for one sequence of up to `capacity` tokens."""
-        config = self.model.config
-        shape = attention_shape(config)
+        """A preallocated KV cache for one sequence of up to `capacity` tokens (the first call checks that
+        decode-time forwards reproduce the model: `check_decode`)."""
+        assert self.decode_checked
+        return self._cache(capacity)
+
+    def _cache(self, capacity: int) -> StaticKVCache:
+        heads, key_dim, value_dim = self.cache_shape
         return StaticKVCache(
-            int(config.num_hidden_layers),
-            shape.kv_heads,
-            shape.head_dim,
+            self.num_layers,
+            heads,
+            key_dim,
             capacity,
             dtype=self.dtype,
             device=self.device,
+            value_dim=value_dim,
         )
 
     @torch.no_grad()
@@ -310,7 +365,13 @@ class Target(TargetParts):
         Returns (logits [1, q, vocab], features): the last hidden state [1, q, hidden] (EAGLE-1's f,
         after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3)."""
         attention = self.decode_attention
-        attention_mask = additive_mask(attention_mask, self.dtype)
+        layout = self.attention_layout
+        if layout.max_window is None:
+            attention_mask = additive_mask(attention_mask, self.dtype)
+        else:  # committed slot i holds position i (the decoder compacts every accepted path)
+            queries = position_ids[0]
+            keys = torch.cat([torch.arange(cache.seq_len, device=queries.device), queries])
+            attention_mask = layout.masks(attention_mask, queries, keys, self.dtype)
         decoder, cache_kwarg, lm_head = self._decode_modules
         if self.cfg.compile_decode:
             decoder = self._compiled_decoder
@@ -346,33 +407,10 @@ class Target(TargetParts):
         return torch.compile(self._decode_modules[0], dynamic=True)
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask (True = attend) as the additive float mask (0 / dtype's min) that eager
-    attention needs; sdpa takes it too (converted once here rather than a boolean one in each layer: 2-4% of a
-    stories260K verification forward on a CPU, same logits bit for bit)."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, torch.finfo(dtype).min)
-
-
 def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
     """Hugging Face's `hidden_states` (index i < L: the input of layer i) -> the chosen inputs
     concatenated along the hidden axis [batch, seq, len(layers) * hidden]."""
     return torch.cat([hidden_states[i] for i in layers], dim=-1)
-
-
-@contextlib.contextmanager
-def attention_implementation(config, implementation: str):
-    """Run the model's forwards with another attention implementation (config and sub-configs), then
-    restore its own. Attention layers read the implementation from the config at each forward."""
-    own = config._attn_implementation
-    if own == implementation:
-        yield
-        return
-    config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        config._attn_implementation = own
 
 
 class HFCacheView:
@@ -388,6 +426,22 @@ class HFCacheView:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cache.seq_len
+
+
+class CacheShapeRecorder:
+    """A cache that keeps nothing and records the (heads, key width, value width) each layer writes."""
+
+    is_compileable = False
+
+    def __init__(self):
+        self.shapes: dict[int, tuple[int, int, int]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shapes[layer_idx] = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
 
 
 @functools.cache
@@ -410,6 +464,27 @@ def load_target_config(cfg: TargetConfig):
     )
 
 
+def attention_to_load(cfg: TargetConfig) -> str:
+    """`target.attn_implementation`, or when unset sdpa where the model's class has it and eager where it
+    has not (gpt-oss). sdpa asked for a model without it is refused naming the model and the choices."""
+    if cfg.attn_implementation not in (None, "sdpa"):
+        return cfg.attn_implementation
+    config = load_target_config(cfg)
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # remote code or a composite config: transformers decides
+        return cfg.attn_implementation or "sdpa"
+    if getattr(model_class, "_supports_sdpa", True):
+        return "sdpa"
+    if cfg.attn_implementation == "sdpa":
+        raise ValueError(
+            f"target.attn_implementation=sdpa: {model_class.__name__} has no sdpa attention in transformers "
+            f"{transformers_version}; use eager (or leave target.attn_implementation unset)"
+        )
+    log.info("%s has no sdpa attention: loading it with eager", model_class.__name__)
+    return "eager"
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
     """Load the target frozen, in eval mode, on `device` with the configured dtype; with
     `cfg.device_map` spread by accelerate over the devices it names (`device` is then unused: inputs go
@@ -421,7 +496,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         revision=cfg.revision,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=attention_to_load(cfg),
         device_map=cfg.device_map,
     )
     if cfg.device_map is None:
