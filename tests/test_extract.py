@@ -233,6 +233,18 @@ def test_aux_layers_are_extracted_for_eagle3(target_cfg, target, tmp_path):
         run(extract_cfg(target_cfg, plain, path=FASTCHAT, limit=6, max_len=96, dtype="float32", aux=True))
 
 
+def test_repeated_ids_give_a_store_training_opens(target_cfg, tmp_path):
+    """Issue 26.2: ids `x, x, x_dup1` used to be stored as `x, x_dup1, x_dup1`, a store training refuses
+    as "duplicated or misplaced" (and a re-extraction gave the same store)."""
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]
+    data = write(
+        tmp_path / "dups.jsonl",
+        "".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x", "x", "x_dup1")),
+    )
+    run(extract_cfg(target_cfg, tmp_path / "store", path=data, limit=None, shard_samples=2))
+    assert FeatureStore(tmp_path / "store").ids == ["x", "x_dup1", "x_dup1_dup1"]
+
+
 def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_path):
     """16.9: a truncated manifest.json: training names the file; a rerun of the extraction rewrites it
     and keeps every shard."""

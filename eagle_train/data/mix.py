@@ -6,7 +6,7 @@ Each source is read and normalised as training reads it (`eagle_train.data.share
 JSON array or JSONL, `from`/`value`, `role`/`content` or `messages`; prompt-only files allowed), its first
 N conversations kept (`:N`; all without), and written in source order as ShareGPT JSONL
 `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}]}`; an id already used by an earlier
-source gets `_dup<k>` (counted). Bad input raises DataError naming the file and the record. The output is
+source gets `_dup<k>` (counted; `sharegpt.unique_id`: unique by construction). Bad input raises DataError naming the file and the record. The output is
 streamed (one conversation in memory at a time) and written atomically, with `<out>.stats.json` beside it:
 each source's path, sha256, limit and counts (read, kept, dropped by reason, repaired), so the mix a head
 was trained on can always be told.

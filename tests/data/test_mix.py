@@ -46,6 +46,17 @@ def test_an_id_used_twice_is_renamed_and_counted(tmp_path):
     assert summary["sources"][1]["fixes"] == {"duplicate_id_renamed": 2}
 
 
+def test_renamed_ids_stay_unique_across_sources(tmp_path):
+    """Issue 26.2: a later source holding `x_dup1` after `x` was renamed to it gets a fresh id."""
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x", "x")))
+    second.write_text("".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x_dup1", "x")))
+    mix_conversations(tmp_path / "mix.jsonl", [(str(first), None), (str(second), None)])
+    ids = [json.loads(line)["id"] for line in (tmp_path / "mix.jsonl").read_text().splitlines()]
+    assert ids == ["x", "x_dup1", "x_dup1_dup1", "x_dup2"]
+
+
 def test_bad_input_names_the_file_and_record_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
