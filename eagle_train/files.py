@@ -29,6 +29,10 @@ class FileFormatError(ValueError):
     """A file this project wrote (or reads as metadata) is not what it should be; names the file."""
 
 
+class OutputError(ValueError):
+    """An output path holds something the command did not write (or cannot be written); names the file."""
+
+
 def partial_prefix(final: str | Path) -> str:
     """The temporary-name prefix of `final` (`.NAME.partial-`)."""
     return f".{Path(final).name}{PARTIAL}"
@@ -165,6 +169,35 @@ def _normalise_modes(root: Path) -> None:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):  # chmod follows links: never touch what a link points at
                 os.chmod(path, mode & ~mask)
+
+
+def check_output_file(
+    out: Path, own: Callable[[], None], overwrite: bool, belongs: Iterable[Path] = ()
+) -> bool:
+    """The rule of every command that writes one output file (regenerate, the mix): an existing `out`
+    (or one of the files that `belongs` to it, e.g. part files) is replaced or added to only when it is
+    the command's own output: `own()` raises OutputError or FileFormatError saying why not; a symlink or
+    another non-regular file never is. A directory is refused even with `overwrite`. Returns True when
+    what exists is not the command's own and `overwrite` lets the run start it over; raises OutputError
+    (naming the file and why) when it is not and `overwrite` is false; False when nothing is there or it
+    is the command's own."""
+    belongs = list(belongs)
+    if out.is_dir() and not out.is_symlink():
+        raise OutputError(f"out={out} is a directory: name the file to write")
+    if not (out.exists() or out.is_symlink() or belongs):
+        return False
+    try:
+        if out.is_symlink() or (out.exists() and not out.is_file()):
+            raise OutputError(f"{out}: exists and is not a regular file")
+        own()
+    except (OutputError, FileFormatError) as err:
+        if overwrite:
+            return True
+        raise OutputError(
+            f"{err}. Refusing to add to or replace it: choose another out, or pass overwrite=true to "
+            "start it over"
+        ) from None
+    return False
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
