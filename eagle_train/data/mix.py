@@ -66,13 +66,15 @@ def stats_path(out: Path) -> Path:
 
 def check_own_mix(out: Path) -> None:
     """OutputError unless `out` is an earlier mix unchanged since: its stats file was written by this
-    command and records the file's sha256."""
+    command and records the file's sha256 (a stats file from before it recorded one: an earlier mix)."""
     stats = stats_path(out)
     if not stats.is_file():
         raise OutputError(f"{out}: not written by {WRITTEN_BY} (no {stats.name} beside it)")
     recorded = read_json(stats, "mix stats")
-    if not isinstance(recorded, dict) or recorded.get("written_by") != WRITTEN_BY:
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("sources"), list):
         raise OutputError(f"{out}: {stats.name} was not written by {WRITTEN_BY}")
+    if "written_by" not in recorded:
+        return  # a mix written before the stats recorded the output's sha256
     if recorded.get("sha256") != file_sha256(out):
         raise OutputError(
             f"{out}: changed since {WRITTEN_BY} wrote it (its sha256 differs from {stats.name})"
