@@ -257,6 +257,27 @@ def trim_metrics(out_dir: Path, step: int) -> None:
     atomic_write_lines(path, kept)
 
 
+def final_logged(out_dir: Path, step: int) -> bool:
+    """Whether metrics.jsonl holds the final evaluation of `step` already: a rerun of a run that stopped
+    there (nothing left to train) must not log it again. The loop evaluates only before its last step,
+    so a line with eval/ values at the last step is the final evaluation."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and record.get("step") == step
+            and any(k.startswith("eval/") for k in record)
+        ):
+            return True
+    return False
+
+
 def total_steps(cfg: TrainConfig, data: RunData, per_step: int) -> int:
     """max_steps, or `epochs` full passes over the training plans (each epoch's own: with bucket_jitter or
     bucket=false an epoch's micro-batch count varies a little)."""
@@ -527,7 +548,8 @@ def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
         if session.data.held_out
         else {}
     )
-    log_metrics(acc, session.out_dir, state["step"], final)
+    if final and not final_logged(session.out_dir, state["step"]):
+        log_metrics(acc, session.out_dir, state["step"], final)
     if acc.is_main_process and state["step"] >= session.total:
         save_head(head, session.out_dir / "final", {**session.meta, "step": state["step"], **final})
     acc.wait_for_everyone()

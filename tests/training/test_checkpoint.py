@@ -203,3 +203,14 @@ def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_loses_nothing(tiny
     assert ckpt.newest_valid_checkpoint(out)[0].name == "step_0000004"
     run(make_cfg(tiny_store, out, *ARGS))
     assert steps(out) == ["step_0000002", "step_0000004", "step_0000006"]
+
+
+def test_a_rerun_of_a_finished_run_logs_its_final_evaluation_once(tiny_store, whole, tmp_path):
+    """Issue 26.7: every rerun of a finished run appended another final evaluation line."""
+    out = shutil.copytree(whole, tmp_path / "run")
+    before = (out / "metrics.jsonl").read_text()
+    final = run(make_cfg(tiny_store, out, *ARGS))
+    run(make_cfg(tiny_store, out, *ARGS))
+    assert (out / "metrics.jsonl").read_text() == before
+    finals = [m for m in read_metrics(out) if "eval/loss" in m]
+    assert [m["step"] for m in finals] == [6] and finals[0]["eval/loss"] == final["eval/loss"]
