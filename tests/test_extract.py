@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,6 +260,51 @@ def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_
     run(cfg)
     assert FeatureStore(tmp_path).ids == ids and len(kept) == 3
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("shard-*.safetensors")} == kept
+
+
+def rot_in_place(shard: Path, at: int = -64) -> None:
+    """Flip one byte of a shard in place, as a failing disk would: same inode, same size, same mtime."""
+    before = shard.stat()
+    with shard.open("r+b") as f:
+        f.seek(at, 2)
+        byte = f.read(1)
+        f.seek(at, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (shard.stat().st_mtime_ns, shard.stat().st_ino) == (before.st_mtime_ns, before.st_ino)
+
+
+def test_a_rerun_repairs_a_shard_training_found_rotted(target_cfg, tmp_path):
+    """Issue 26.4: a shard whose bytes rotted in place (mtime kept) was kept by every rerun while training
+    kept refusing it. Training records the damage in the shard's sidecar; the rerun re-hashes that shard
+    and extracts it again (the others are kept), to the very bytes it had."""
+    cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
+    run(cfg)
+    good = (tmp_path / shard_name(1)).read_bytes()
+    kept = {k: (tmp_path / shard_name(k)).stat().st_mtime_ns for k in (0, 2)}
+    rot_in_place(tmp_path / shard_name(1))
+    with pytest.raises(StoreError, match=r"shard-00001.safetensors: its checksum .* rerun the extraction"):
+        FeatureStore(tmp_path).verify()  # what training does when it first reads the shard
+    assert "damaged" in json.loads((tmp_path / "shard-00001.json").read_text())
+    run(cfg)
+    assert (tmp_path / shard_name(1)).read_bytes() == good
+    assert {k: (tmp_path / shard_name(k)).stat().st_mtime_ns for k in (0, 2)} == kept
+    FeatureStore(tmp_path).verify()
+    assert "damaged" not in json.loads((tmp_path / "shard-00001.json").read_text())
+
+
+def test_verify_full_repairs_a_rot_nothing_reported(target_cfg, tmp_path):
+    """Issue 26.4: a shard rotted in place that no reader has seen yet: a plain rerun trusts its unchanged
+    size and mtime (a resume never re-reads the store); verify=full re-hashes every shard and repairs it."""
+    cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
+    run(cfg)
+    good = (tmp_path / shard_name(2)).read_bytes()
+    rot_in_place(tmp_path / shard_name(2))
+    run(cfg)
+    assert (tmp_path / shard_name(2)).read_bytes() != good  # not re-read: the documented limit
+    run(replace(cfg, verify="full"))
+    assert (tmp_path / shard_name(2)).read_bytes() == good
+    FeatureStore(tmp_path).verify()
 
 
 def test_a_bad_record_after_the_first_shard_names_it_and_writes_no_manifest(target_cfg, tmp_path):
