@@ -70,7 +70,10 @@ def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
     max_len = cfg.max_len or meta.get("max_len")
     if target_id is None or max_len is None:
         log.warning("checkpoint %s records no target id or max_len; set target_id=... max_len=...", ckpt)
-    meta = {k: v for k, v in meta.items() if k not in ("target_source", "source_checkpoint")}
+    # weights_sha256 is the checkpoint file's (modeling.checkpoint.check_head_files), not the export's
+    meta = {
+        k: v for k, v in meta.items() if k not in ("target_source", "source_checkpoint", "weights_sha256")
+    }
     if source and not local_path(source):
         meta["target_source"] = source
     return {

@@ -38,12 +38,18 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eagle_train.files import atomic_write_dir, atomic_write_into, read_json
 from eagle_train.kv_cache import attention_shape
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_finite
+from eagle_train.modeling.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_finite,
+    check_head_files,
+    read_head_weights,
+)
 from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)
@@ -332,7 +338,7 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
         file = path / name
         if file.is_file():
             if name == WEIGHTS_NAME:
-                return load_file(str(file)), file
+                return read_head_weights(file), file
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as err:  # a pickle with code in it, or a corrupt file
@@ -447,6 +453,7 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
         raw_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from err
+    check_head_files(path)
     raw_state, file = read_weights(path)
     from eagle_train.modeling.eagle3_layout import flat_config, is_eagle3, load_eagle3
 

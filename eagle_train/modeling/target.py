@@ -22,11 +22,13 @@ import functools
 import hashlib
 import inspect
 import logging
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -410,20 +412,34 @@ def load_target_config(cfg: TargetConfig):
     )
 
 
+def error_reason(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message` (cut to `limit` characters): a reader's error in one line (torch's
+    and safetensors' run over several, naming no file; the caller names it)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
     """Load the target frozen, in eval mode, on `device` with the configured dtype; with
     `cfg.device_map` spread by accelerate over the devices it names (`device` is then unused: inputs go
     to the model's first device, `Target.device`)."""
     source = target_source(cfg)
     dtype = "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        source,
-        dtype=dtype,
-        trust_remote_code=cfg.trust_remote_code,
-        revision=cfg.revision,
-        attn_implementation=cfg.attn_implementation,
-        device_map=cfg.device_map,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code,
+            revision=cfg.revision,
+            attn_implementation=cfg.attn_implementation,
+            device_map=cfg.device_map,
+        )
+    except (SafetensorError, pickle.UnpicklingError) as err:  # a weight file cut short, or forged
+        raise ValueError(
+            f"target {source}: a weight file cannot be read ({error_reason(err)}): damaged, or not a "
+            "checkpoint of plain tensors"
+        ) from None
     if cfg.device_map is None:
         model.to(device)
     model.eval()

@@ -4,6 +4,7 @@ as a full load, only the shards that hold them read, no decoder layer built."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -95,3 +96,35 @@ def test_a_checkpoint_without_the_lm_head_is_named(sharded, tmp_path):
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"'lm_head.weight' is not in its checkpoint"):
         load_frozen_target(TargetConfig(path=str(broken)))
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_damaged_or_forged_weight_file_is_one_line_naming_it(tmp_path):
+    """Issue 26.8: a target checkpoint cut short or holding a forged pickle gave safetensors' or torch's
+    raw error, naming no file; the pickle's code never runs."""
+    import pickle
+    import shutil
+
+    from tests.conftest import STORIES260K
+
+    model = shutil.copytree(STORIES260K, tmp_path / "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    cfg = TargetConfig(name="cut", path=str(model), dtype="float32")
+    with pytest.raises(CheckpointError, match=r"model/model.safetensors: cannot be read as a weight file"):
+        load_frozen_target(cfg)
+    with pytest.raises(ValueError, match=r"target .*/model: a weight file cannot be read \(SafetensorError"):
+        load_target(cfg)
+    weights.unlink()
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"model/pytorch_model.bin: cannot be read as a weight file"):
+        load_frozen_target(cfg)
+    with pytest.raises(
+        ValueError, match=r"a weight file cannot be read \(UnpicklingError: Weights only load"
+    ):
+        load_target(cfg)
+    assert not (tmp_path / "PWNED").exists() and not os.path.exists("PWNED")
