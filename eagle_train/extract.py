@@ -204,6 +204,8 @@ def run(cfg: ExtractConfig) -> Path:
         features = open_features(cfg, accelerator)
         try:
             target = features.target
+            with accelerator.local_main_process_first():  # one process per node hashes the weight files
+                target.weight_files  # noqa: B018 (cached on the target and on disk)
             max_len = target.length_limit(cfg.data.max_len)
             renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
             hf_config = load_target_config(cfg.target)

@@ -207,3 +207,36 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where eagle-train keeps what it can recompute (the sha256 of large files): $EAGLE_TRAIN_CACHE, else
+    $XDG_CACHE_HOME/eagle_train, else ~/.cache/eagle_train."""
+    if os.environ.get("EAGLE_TRAIN_CACHE"):
+        return Path(os.environ["EAGLE_TRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eagle_train"
+
+
+def cached_sha256(path: str | Path) -> str:
+    """`file_sha256` of a large file that rarely changes (a model checkpoint), computed once and kept in
+    `cache_dir()/sha256/` under its real path, size, mtime, ctime and inode: any write to the file, or its
+    replacement, changes one of them (ctime cannot be set back), so a stale entry is never used. A cache
+    that cannot be written only costs the hash again next time."""
+    real = Path(path).resolve()
+    st = real.stat()
+    key = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+    key["inode"] = st.st_ino
+    entry = cache_dir() / "sha256" / (hashlib.sha256(str(real).encode()).hexdigest()[:32] + ".json")
+    try:
+        cached = json.loads(entry.read_text(encoding="utf-8"))
+        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass
+    sha = file_sha256(real)
+    try:
+        atomic_write_json(entry, {"key": key, "sha256": sha})
+    except OSError:
+        pass
+    return sha

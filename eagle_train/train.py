@@ -119,6 +119,8 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
     else:
         target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
     aux_layers = target.aux_layers if cfg.draft.type == "eagle3" else None  # EAGLE-3's features
+    with accelerator.local_main_process_first():  # one process per node hashes the weight files, once
+        target.weight_files  # noqa: B018 (cached on the target and on disk)
     if cfg.data.source == "online":
         with accelerator.main_process_first():
             source, identity = open_online(cfg, target, hf_config)

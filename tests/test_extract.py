@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -24,7 +25,7 @@ from eagle_train.store.codec import decode
 from eagle_train.store.manifest import MANIFEST_NAME, StoreError, StoreMismatchError, target_config_hash
 from eagle_train.store.reader import FeatureStore
 from eagle_train.store.writer import shard_name
-from tests.conftest import DATA
+from tests.conftest import DATA, STORIES260K, decoder_fine_tune
 
 ALPACA = str(DATA / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json")
 FASTCHAT = str(DATA / "sharegpt" / "fastchat_dummy_conversation.json")  # short multi-turn conversations
@@ -305,6 +306,24 @@ def test_verify_full_repairs_a_rot_nothing_reported(target_cfg, tmp_path):
     run(replace(cfg, verify="full"))
     assert (tmp_path / shard_name(2)).read_bytes() == good
     FeatureStore(tmp_path).verify()
+
+
+def test_a_rerun_after_the_decoder_layers_changed_is_refused(target_cfg, tmp_path):
+    """Issue 26.1: the target's identity covered its embedding and LM head only, so resuming after its
+    decoder layers changed in place mixed the shards of two models. The sha256 of every weight file is
+    the identity now."""
+    model = decoder_fine_tune(tmp_path / "model")
+    shutil.copytree(STORIES260K, tmp_path / "original")
+    cfg = extract_cfg(replace(target_cfg, path=str(tmp_path / "original")), tmp_path / "store", limit=4)
+    run(cfg)
+    files = FeatureStore(tmp_path / "store").manifest["target"]["weight_files"]
+    assert list(files) == ["model.safetensors"] and len(files["model.safetensors"]) == 64
+    (tmp_path / "original" / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    with pytest.raises(
+        StoreMismatchError, match=r"target\.weight_files\.model\.safetensors: expected '[0-9a-f]{64}', found"
+    ) as err:
+        run(cfg)
+    assert "target.weights." not in str(err.value)  # the embedding and LM head are the same
 
 
 def test_a_bad_record_after_the_first_shard_names_it_and_writes_no_manifest(target_cfg, tmp_path):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedToken
 from transformers.utils import cached_file
 
 from eagle_train.config.target import TargetConfig
+from eagle_train.files import cached_sha256
 from eagle_train.modeling.target import (
     TargetParts,
     error_reason,
@@ -100,6 +103,20 @@ class Shard:
                 f"target {self.source}: the checkpoint index names {self.name}, which is missing"
             )
         return path
+
+
+def checkpoint_sha256(source: str, revision: str | None = None) -> dict[str, str]:
+    """{file name: sha256} of every weight file of the checkpoint (the shards its index names, or its
+    single file): the identity of every weight the features depend on, decoder layers included. Only
+    bytes are read, never a tensor; each file is hashed once (files.cached_sha256: later calls cost a
+    stat), several at a time. For a hub id the files are fetched first if they are not in its cache."""
+    files, _ = weight_files(source, revision)
+    shards = sorted(set(files.values()), key=lambda shard: shard.name)
+    paths = [shard.path() for shard in shards]
+    workers = max(1, min(len(paths), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
+        digests = list(pool.map(cached_sha256, paths))  # hashlib and reads release the GIL
+    return {shard.name: digest for shard, digest in zip(shards, digests, strict=True)}
 
 
 def _resolve(source: str, name: str, revision: str | None) -> Path | None:

@@ -412,11 +412,19 @@ def recorded_target(meta: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def other_target(meta: dict[str, Any], target) -> str | None:
-    """Why a head's meta says it was trained for another target than `target` (its name, or the weight
-    fingerprint of the embedding and LM head: a fine-tune of the same shape), or None."""
+    """Why a head's meta says it was trained for another target than `target` (the weight files that
+    differ, or the weight fingerprint of the embedding and LM head: a fine-tune of the same shape, or its
+    name), or None."""
     trained_for, _ = recorded_target(meta)
-    recorded = meta.get("target", {}).get("weights") if isinstance(meta.get("target"), dict) else None
-    recorded = recorded or meta.get("target_weights")
+    block = meta.get("target") if isinstance(meta.get("target"), dict) else {}
+    files = block.get("weight_files") or meta.get("target_weight_files")
+    if isinstance(files, dict) and files != target.weight_files:
+        differ = differing_files(files, target.weight_files)
+        return (
+            f"it was trained for a target with other weights (weight files that differ: {differ}): a "
+            "fine-tune or another revision; expect a lower acceptance; the output is still the target's own"
+        )
+    recorded = block.get("weights") or meta.get("target_weights")
     if recorded and recorded != target.weight_fingerprint:
         return (
             f"it was trained for a target with other weights (embedding / LM head fingerprint {recorded}, "
@@ -426,6 +434,17 @@ def other_target(meta: dict[str, Any], target) -> str | None:
     if trained_for and trained_for != target.cfg.name:
         return f"it was trained for {trained_for!r}, not {target.cfg.name!r}"
     return None
+
+
+def differing_files(recorded: dict[str, str], found: dict[str, str]) -> str:
+    """`name (sha256 recorded ab12cd34..., here ef56...)` for each file whose sha256 differs, is only
+    recorded or is only here."""
+    short = lambda sha: f"{sha[:12]}..." if sha else "none"  # noqa: E731
+    return "; ".join(
+        f"{name} (sha256 recorded {short(recorded.get(name))}, here {short(found.get(name))})"
+        for name in sorted(set(recorded) | set(found))
+        if recorded.get(name) != found.get(name)
+    )
 
 
 def warn_other_target(path: Path, meta: dict[str, Any], target) -> None:

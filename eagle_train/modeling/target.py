@@ -117,10 +117,12 @@ def check_output_logits(model: PreTrainedModel, transform: LogitTransform, lengt
 
 class TargetParts:
     """What a loaded `Target` and its `FrozenTarget` parts (modeling.frozen) share: shapes, length limits,
-    the output processing and the weight fingerprint, from `config`, `cfg`, `embed_tokens` and `lm_head`."""
+    the output processing and the weights' identity, from `config`, `cfg`, `source`, `embed_tokens` and
+    `lm_head`."""
 
     config: PretrainedConfig
     cfg: TargetConfig
+    source: str
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
 
@@ -172,6 +174,17 @@ class TargetParts:
             data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
             out[name] = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
         return out
+
+    @functools.cached_property
+    def weight_files(self) -> dict[str, str]:
+        """{file name: sha256} of every weight file of the target's checkpoint (modeling.frozen.
+        checkpoint_sha256): the identity of all its weights, decoder layers included, so a fine-tune of
+        any layer differs here (`weight_fingerprint` covers the embedding and LM head only). Read from
+        the files, cached by path, size and times: no tensor is loaded, and after the first time it
+        costs a stat per file."""
+        from eagle_train.modeling.frozen import checkpoint_sha256  # frozen builds on this module
+
+        return checkpoint_sha256(self.source, self.cfg.revision)
 
 
 @dataclass

@@ -75,6 +75,24 @@ def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
     assert {str(f).rsplit("/", 1)[-1] for f in opened} == needed < set(index.values())
 
 
+def test_the_weight_files_identity_reads_no_tensor(sharded, monkeypatch):
+    """Issue 26.1: the identity covers every weight file (decoder layers included) and offline training's
+    frozen parts compute it from the files' bytes alone: no tensor read, no decoder built."""
+    from eagle_train.files import file_sha256
+
+    cfg = TargetConfig(name="tiny", path=str(sharded), dtype="float32")
+    parts = load_frozen_target(cfg)
+    opened = []
+    real_safe_open, real_load = frozen.safe_open, torch.load
+    monkeypatch.setattr(frozen, "safe_open", lambda f, **kw: opened.append(f) or real_safe_open(f, **kw))
+    monkeypatch.setattr(torch, "load", lambda f, **kw: opened.append(str(f)) or real_load(f, **kw))
+    no_decoder_builds(monkeypatch)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert len(files) > 2 and parts.weight_files == {f: file_sha256(sharded / f) for f in files}
+    assert opened == []
+
+
 def test_a_tied_lm_head_is_the_embedding_one_copy(target_cfg, target):
     parts = load_frozen_target(target_cfg)
     assert parts.lm_head.weight.data_ptr() == parts.embed_tokens.weight.data_ptr()

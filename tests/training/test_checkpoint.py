@@ -261,3 +261,21 @@ def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(
     with pytest.raises(ValueError, match=r"step/model.safetensors: its sha256 differs"):
         export(ExportConfig(ckpt=str(step), out=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_from_before_weight_files_were_recorded_resumes_with_a_warning(
+    tiny_store, stopped, whole, tmp_path, capsys
+):
+    """Issue 26.1: a checkpoint whose run identity has no target.weight_files (an earlier eagle-train)
+    still resumes, to the very weights of the uninterrupted run, saying what it cannot check."""
+    out = shutil.copytree(stopped, tmp_path / "run")
+    step = out / "checkpoints" / "step_0000004"
+    trainer = step / "training_state" / "trainer.json"
+    record = json.loads(trainer.read_text())
+    del record["run"]["target"]["weight_files"]
+    trainer.write_text(json.dumps(record))
+    reseal(step)
+    run(make_cfg(tiny_store, out, *ARGS))
+    printed = capsys.readouterr().out
+    assert "records no target.weight_files" in printed and "resumed from" in printed
+    assert same_weights(out, whole)
