@@ -107,9 +107,9 @@ def check_head_files(path: str | Path) -> None:
     for name, sha, where in recorded_checksums(path):
         if not (path / name).is_file() or file_sha256(path / name) != sha:
             raise ValueError(
-                f"{path / name}: its sha256 differs from the one {where.name} recorded when the head was saved "
-                f"(the file was damaged or changed since; if you changed the weights on purpose, remove the "
-                f"record from {where})"
+                f"{path / name}: its sha256 differs from the one {where.name} recorded when the head was "
+                "saved (the file was damaged or changed since; if you changed the weights on purpose, "
+                f"remove the record from {where})"
             )
 
 

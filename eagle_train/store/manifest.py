@@ -3,9 +3,9 @@
 The identity (`store_identity`) is every field that decides what a store holds: the schema version, the
 target (config hash, the sha256 of each of its weight files, `weight_files`: every weight, decoder layers
 included; the fingerprint of its embedding and LM head, hidden size, vocabulary, model type, dtype), the
-stored `dtype`, the chat template, `max_len`, the data (its sha256 and cleaning
-options), for an EAGLE-3 store the `aux_layers` whose inputs it holds and, when it is not the Hugging
-Face forward, the `backend` that produced the features.
+stored `dtype`, the chat template, `max_len`, the data (its sha256 and cleaning options), for an EAGLE-3
+store the `aux_layers` whose inputs it holds and, when it is not the Hugging Face forward, the `backend`
+that produced the features.
 Extraction writes it as store_config.json before the first shard (a rerun resumes or refuses) and as
 the head of manifest.json at the end; `content_key` / `store_hash` are what two runs must share.
 
@@ -68,8 +68,8 @@ def store_identity(
     store that has them, so an EAGLE-1 HF store's identity is what it always was.
 
     target: a loaded target or its frozen parts (modeling.target.Target / FrozenTarget: cfg, source,
-    weight_fingerprint, weight_files, hidden_size, vocab_size, dtype); hf_config: its config as `AutoConfig` loads it
-    (what training hashes); data: the data block (path, sha256, cleaning options)."""
+    weight_fingerprint, weight_files, hidden_size, vocab_size, dtype); hf_config: its config as
+    `AutoConfig` loads it (what training hashes); data: the data block (path, sha256, cleaning options)."""
     identity = {
         "schema_version": SCHEMA_VERSION,
         "target": {

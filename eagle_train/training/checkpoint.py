@@ -245,8 +245,8 @@ def load_state(accelerator, checkpoint: Path) -> None:
         if file is None:  # every file loads alone: not a damaged file (e.g. out of memory)
             raise
         raise CheckpointError(
-            f"{file}: cannot be loaded ({error_reason(err)}): not a training state this trainer "
-            f"wrote. Move {checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
+            f"{file}: cannot be loaded ({error_reason(err)}): not a training state this trainer wrote. "
+            f"Move {checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
         ) from None
 
 

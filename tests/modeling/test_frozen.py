@@ -51,6 +51,17 @@ def no_decoder_builds(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
+def tensor_reads(monkeypatch) -> list:
+    """The files the checkpoint readers open from now on (safe_open, torch.load); the whole model may
+    not be built."""
+    opened = []
+    real_safe_open, real_load = frozen.safe_open, torch.load
+    monkeypatch.setattr(frozen, "safe_open", lambda f, **kw: opened.append(f) or real_safe_open(f, **kw))
+    monkeypatch.setattr(torch, "load", lambda f, **kw: opened.append(str(f)) or real_load(f, **kw))
+    no_decoder_builds(monkeypatch)
+    return opened
+
+
 @pytest.mark.parametrize("layout", ["safetensors", "pytorch"])
 def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
     sharded, tmp_path, layout, monkeypatch
@@ -58,11 +69,7 @@ def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
     path = sharded if layout == "safetensors" else as_pytorch_shards(sharded, tmp_path / "bin")
     cfg = TargetConfig(name="tiny", path=str(path), dtype="float32")
     full = load_target(cfg)
-    opened = []
-    real_safe_open, real_load = frozen.safe_open, torch.load
-    monkeypatch.setattr(frozen, "safe_open", lambda f, **kw: opened.append(f) or real_safe_open(f, **kw))
-    monkeypatch.setattr(torch, "load", lambda f, **kw: opened.append(str(f)) or real_load(f, **kw))
-    no_decoder_builds(monkeypatch)
+    opened = tensor_reads(monkeypatch)
     parts = load_frozen_target(cfg, norm=True)
     assert torch.equal(parts.embed_tokens.weight, full.embed_tokens.weight)
     assert torch.equal(parts.lm_head.weight, full.lm_head.weight)
@@ -82,11 +89,7 @@ def test_the_weight_files_identity_reads_no_tensor(sharded, monkeypatch):
 
     cfg = TargetConfig(name="tiny", path=str(sharded), dtype="float32")
     parts = load_frozen_target(cfg)
-    opened = []
-    real_safe_open, real_load = frozen.safe_open, torch.load
-    monkeypatch.setattr(frozen, "safe_open", lambda f, **kw: opened.append(f) or real_safe_open(f, **kw))
-    monkeypatch.setattr(torch, "load", lambda f, **kw: opened.append(str(f)) or real_load(f, **kw))
-    no_decoder_builds(monkeypatch)
+    opened = tensor_reads(monkeypatch)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
     files = sorted(set(index.values()))
     assert len(files) > 2 and parts.weight_files == {f: file_sha256(sharded / f) for f in files}
