@@ -56,7 +56,7 @@ def target_architectures(meta: dict, source: str | None) -> list[str] | None:
 
 def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
     """The `eagle_train` block: target id, its hub id (never a local path: config.json is published),
-    architectures, config hash and weight fingerprint, training max length."""
+    architectures, config hash, weight files' sha256 and weight fingerprint, training max length."""
     name, source = recorded_target(meta)
     architectures = target_architectures(meta, source)
     if isinstance(meta.get("target"), dict):
@@ -65,12 +65,16 @@ def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
             **meta,
             "target_config_hash": recorded.get("config_hash"),
             "target_weights": recorded.get("weights"),
+            "target_weight_files": recorded.get("weight_files"),
         }
     target_id = cfg.target_id or name
     max_len = cfg.max_len or meta.get("max_len")
     if target_id is None or max_len is None:
         log.warning("checkpoint %s records no target id or max_len; set target_id=... max_len=...", ckpt)
-    meta = {k: v for k, v in meta.items() if k not in ("target_source", "source_checkpoint")}
+    # weights_sha256 is the checkpoint file's (modeling.checkpoint.check_head_files), not the export's
+    meta = {
+        k: v for k, v in meta.items() if k not in ("target_source", "source_checkpoint", "weights_sha256")
+    }
     if source and not local_path(source):
         meta["target_source"] = source
     return {

@@ -13,11 +13,15 @@ and the first shard is written after reading only its own conversations. Every p
 data the same way and so cuts the same shards; process r extracts shards r, r + P, r + 2P, ... Within a
 shard, conversations are batched by length and right-padded (a causal decoder's real tokens never see
 the padding, so no mask is needed; only real tokens are stored), and each batch's hidden states go
-straight into the shard file (written in a background thread while the next batch runs). A shard with a valid sidecar is kept by a rerun, so an interrupted
-extraction resumes. The output directory is prepared (and a different store refused) when the first
-shard is cut, so bad input found before that (the first 256 conversations are read before any shard)
-writes nothing; bad input found later stops the run naming the record, with no manifest written. After a barrier the main process
-writes the one manifest.json. The output is locked (eagle_train.lock). See `eagle_train.store`.
+straight into the shard file (written in a background thread while the next batch runs). A shard with a
+valid sidecar is kept by a rerun, so an interrupted extraction resumes; a kept shard is re-hashed when its
+file changed, when training found it damaged, or with `verify=full`, and extracted again if its bytes differ
+(store.writer.completed_shard). The output directory is prepared (and a different store refused) when the
+first shard is cut, so bad input found before that (the first 256 conversations are read before any shard)
+writes nothing; bad input found later stops the run naming the record, with no manifest written. After a
+barrier the main process writes the one manifest.json (atomically: a complete store keeps its manifest until a
+shard is written again). The output is locked (eagle_train.lock). See
+`eagle_train.store`.
 """
 
 from __future__ import annotations
@@ -200,6 +204,8 @@ def run(cfg: ExtractConfig) -> Path:
         features = open_features(cfg, accelerator)
         try:
             target = features.target
+            with accelerator.local_main_process_first():  # one process per node hashes the weight files
+                target.weight_files  # noqa: B018 (cached on the target and on disk)
             max_len = target.length_limit(cfg.data.max_len)
             renderer = ChatRenderer(target.tokenizer, target.cfg, max_len)
             hf_config = load_target_config(cfg.target)
@@ -276,7 +282,7 @@ def extract_shards(
             if k % accelerator.num_processes != accelerator.process_index:
                 continue
             extra = {"start": start, "stop": stop, "store": content_hash}
-            if completed_shard(out_dir, k, extra) is not None:
+            if completed_shard(out_dir, k, extra, full=cfg.verify == "full") is not None:
                 kept += 1
                 continue
             fill = features.fill(shard_rows, progress)  # fill(put): put(i, hidden) for every row of the shard

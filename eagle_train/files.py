@@ -29,6 +29,10 @@ class FileFormatError(ValueError):
     """A file this project wrote (or reads as metadata) is not what it should be; names the file."""
 
 
+class OutputError(ValueError):
+    """An output path holds something the command did not write (or cannot be written); names the file."""
+
+
 def partial_prefix(final: str | Path) -> str:
     """The temporary-name prefix of `final` (`.NAME.partial-`)."""
     return f".{Path(final).name}{PARTIAL}"
@@ -167,6 +171,35 @@ def _normalise_modes(root: Path) -> None:
                 os.chmod(path, mode & ~mask)
 
 
+def check_output_file(
+    out: Path, own: Callable[[], None], overwrite: bool, belongs: Iterable[Path] = ()
+) -> bool:
+    """The rule of every command that writes one output file (regenerate, the mix): an existing `out`
+    (or one of the files that `belongs` to it, e.g. part files) is replaced or added to only when it is
+    the command's own output: `own()` raises OutputError or FileFormatError saying why not; a symlink or
+    another non-regular file never is. A directory is refused even with `overwrite`. Returns True when
+    what exists is not the command's own and `overwrite` lets the run start it over; raises OutputError
+    (naming the file and why) when it is not and `overwrite` is false; False when nothing is there or it
+    is the command's own."""
+    belongs = list(belongs)
+    if out.is_dir() and not out.is_symlink():
+        raise OutputError(f"out={out} is a directory: name the file to write")
+    if not (out.exists() or out.is_symlink() or belongs):
+        return False
+    try:
+        if out.is_symlink() or (out.exists() and not out.is_file()):
+            raise OutputError(f"{out}: exists and is not a regular file")
+        own()
+    except (OutputError, FileFormatError) as err:
+        if overwrite:
+            return True
+        raise OutputError(
+            f"{err}. Refusing to add to or replace it: choose another out, or pass overwrite=true to "
+            "start it over"
+        ) from None
+    return False
+
+
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file, read in chunks."""
     digest = hashlib.sha256()
@@ -174,3 +207,36 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where eagle-train keeps what it can recompute (the sha256 of large files): $EAGLE_TRAIN_CACHE, else
+    $XDG_CACHE_HOME/eagle_train, else ~/.cache/eagle_train."""
+    if os.environ.get("EAGLE_TRAIN_CACHE"):
+        return Path(os.environ["EAGLE_TRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eagle_train"
+
+
+def cached_sha256(path: str | Path) -> str:
+    """`file_sha256` of a large file that rarely changes (a model checkpoint), computed once and kept in
+    `cache_dir()/sha256/` under its real path, size, mtime, ctime and inode: any write to the file, or its
+    replacement, changes one of them (ctime cannot be set back), so a stale entry is never used. A cache
+    that cannot be written only costs the hash again next time."""
+    real = Path(path).resolve()
+    st = real.stat()
+    key = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+    key["inode"] = st.st_ino
+    entry = cache_dir() / "sha256" / (hashlib.sha256(str(real).encode()).hexdigest()[:32] + ".json")
+    try:
+        cached = json.loads(entry.read_text(encoding="utf-8"))
+        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass
+    sha = file_sha256(real)
+    try:
+        atomic_write_json(entry, {"key": key, "sha256": sha})
+    except OSError:
+        pass
+    return sha

@@ -44,9 +44,10 @@ from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import SHAREGPT_ROLES, check_data_file, load_conversations
 from eagle_train.entry import stage_lock, stage_main
 from eagle_train.files import (
-    FileFormatError,
+    OutputError,
     atomic_write_json,
     atomic_write_lines,
+    check_output_file,
     file_sha256,
     read_json,
     remove_partial_files,
@@ -193,10 +194,6 @@ def read_records(path: Path, complete: bool = False) -> list[dict]:
     return records
 
 
-class OutputError(ValueError):
-    """`out` (or one of its part files) is not this command's own output; names the file and line."""
-
-
 def is_record(record) -> bool:
     """A record this stage writes: {"id", "conversations": [...], "finish_reasons": [...]}."""
     return (
@@ -250,37 +247,29 @@ def stats_path(out: Path) -> Path:
 
 def check_output(out: Path, data_file: Path, wanted: dict, overwrite: bool) -> bool:
     """Refuse an `out` that is the input, or that exists (or has part files) without being this
-    command's own output: records of this stage, settings equal to `wanted` in `<out>.stats.json`.
-    Returns True when what exists must be cleared first (`overwrite` with other settings)."""
+    command's own output: records of this stage, settings equal to `wanted` in `<out>.stats.json`
+    (eagle_train.files.check_output_file). Returns True when what exists must be cleared first
+    (`overwrite` with other settings)."""
     if out.exists() and data_file.exists() and os.path.samefile(out, data_file):
         raise OutputError(
             f"out={out} is the input data file: regenerate writes a new file (choose another out)"
         )
     parts = part_files(out)
-    if not (out.exists() or out.is_symlink() or parts):
-        return False
-    try:
-        if out.exists() or out.is_symlink():
-            if out.is_symlink() or not out.is_file():
-                raise OutputError(f"{out}: exists and is not a regular file")
+
+    def own() -> None:
+        if out.exists():
             read_records(out, complete=True)
         for part in parts:
             read_records(part)
         stats = stats_path(out)
         if not stats.is_file():
             raise OutputError(f"{out}: not written by eagle_train.regenerate (no {stats.name} beside it)")
-        recorded = read_json(stats, "regenerate settings").get("settings", {})
-        diffs = mismatches(wanted, recorded)
+        recorded = read_json(stats, "regenerate settings")
+        diffs = mismatches(wanted, recorded.get("settings", {}) if isinstance(recorded, dict) else {})
         if diffs:
             raise OutputError(f"{out} was written with other settings: " + "; ".join(diffs))
-    except (OutputError, FileFormatError, AttributeError) as err:
-        if overwrite:
-            return True
-        raise OutputError(
-            f"{err}. Refusing to add to or replace it: choose another out, or pass overwrite=true to "
-            "start it over"
-        ) from None
-    return False
+
+    return check_output_file(out, own, overwrite, parts)
 
 
 def clear_output(out: Path) -> None:

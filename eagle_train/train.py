@@ -119,6 +119,8 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
     else:
         target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
     aux_layers = target.aux_layers if cfg.draft.type == "eagle3" else None  # EAGLE-3's features
+    with accelerator.local_main_process_first():  # one process per node hashes the weight files, once
+        target.weight_files  # noqa: B018 (cached on the target and on disk)
     if cfg.data.source == "online":
         with accelerator.main_process_first():
             source, identity = open_online(cfg, target, hf_config)
@@ -255,6 +257,27 @@ def trim_metrics(out_dir: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue
     atomic_write_lines(path, kept)
+
+
+def final_logged(out_dir: Path, step: int) -> bool:
+    """Whether metrics.jsonl holds the final evaluation of `step` already: a rerun of a run that stopped
+    there (nothing left to train) must not log it again. The loop evaluates only before its last step,
+    so a line with eval/ values at the last step is the final evaluation."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and record.get("step") == step
+            and any(k.startswith("eval/") for k in record)
+        ):
+            return True
+    return False
 
 
 def total_steps(cfg: TrainConfig, data: RunData, per_step: int) -> int:
@@ -527,7 +550,8 @@ def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
         if session.data.held_out
         else {}
     )
-    log_metrics(acc, session.out_dir, state["step"], final)
+    if final and not final_logged(session.out_dir, state["step"]):
+        log_metrics(acc, session.out_dir, state["step"], final)
     if acc.is_main_process and state["step"] >= session.total:
         save_head(head, session.out_dir / "final", {**session.meta, "step": state["step"], **final})
     acc.wait_for_everyone()

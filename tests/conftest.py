@@ -115,3 +115,26 @@ def reseal(store: Path, index: int) -> None:
     manifest = json.loads((store / MANIFEST_NAME).read_text())
     manifest["shards"][index].update(sha256=file_sha256(shard), bytes=shard.stat().st_size)
     (store / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weight_hash_cache(tmp_path_factory):
+    """The sha256 cache of target weight files (eagle_train.files.cached_sha256) in a temporary
+    directory, for this process and the subprocesses tests start: never the user's ~/.cache."""
+    os.environ["EAGLE_TRAIN_CACHE"] = str(tmp_path_factory.mktemp("eagle_train_cache"))
+    yield
+    os.environ.pop("EAGLE_TRAIN_CACHE", None)
+
+
+def decoder_fine_tune(dest: Path) -> Path:
+    """A copy of stories260K at `dest` whose decoder layer 0 was then changed in place (its MLP nudged),
+    as a fine-tune of the layers alone would: same config, same embedding and LM head, other features."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(STORIES260K, dest)
+    weights = load_file(str(dest / "model.safetensors"))
+    weights["model.layers.0.mlp.down_proj.weight"] += 0.05
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

@@ -4,6 +4,7 @@ answers for every question, turn and method, greedy identity, the second turn's 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from eagle_train.entry import compose
 from eagle_train.evaluate import calibration_pairs, fit_prompt, run
 from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
+from tests.conftest import decoder_fine_tune
 
 
 @pytest.fixture(scope="module")
@@ -356,3 +358,22 @@ def test_a_bug_shared_by_ar_and_every_method_is_caught_by_the_model_check(tmp_pa
     assert any(
         "ar: 3 of 3 greedy answers are not what the model itself chooses" in n for n in report["sanity"]
     )
+
+
+def test_a_head_trained_for_other_decoder_layers_is_flagged_naming_the_file(target_cfg, target, tmp_path):
+    """Issue 26.1: a head trained for stories260K, evaluated on a fine-tune of its decoder layers alone
+    (same embedding and LM head): the report names the weight file that differs."""
+    from eagle_train.training.sources import checkpoint_identity
+
+    head = DraftHead.from_target(target.config)
+    path = save_head(head, tmp_path / "head", checkpoint_identity(target, target.config))
+    model = decoder_fine_tune(tmp_path / "model")
+    cfg = EvaluateConfig(
+        target=replace(target_cfg, path=str(model)), draft=DraftConfig(path=str(path)), bench=["tinystories"],
+        num_questions=1, methods=["ar", "chain"], out_dir=str(tmp_path / "eval"), num_threads=1, plots=False,
+        progress=False, decode=DecodeConfig(max_new_tokens=8),
+    )  # fmt: skip
+    report = run(cfg)
+    assert any(
+        "weight files that differ: model.safetensors (sha256 recorded" in note for note in report["sanity"]
+    ), report["sanity"]

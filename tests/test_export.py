@@ -189,6 +189,57 @@ def test_bad_input(ckpt, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def flip_weight_byte(file) -> None:
+    """One bit of a weight flipped, the safetensors header intact (the file still loads)."""
+    data = bytearray(file.read_bytes())
+    data[-40] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_a_head_changed_since_it_was_saved_is_refused_naming_the_file(ckpt, target, tmp_path):
+    """Issue 26.5: export and evaluate used a head whose weights no longer matched the sha256 recorded
+    when it was saved (exported with exit 0 after a bit flip)."""
+    assert json.loads((ckpt / "config.json").read_text())["eagle_train"]["weights_sha256"]
+    flip_weight_byte(ckpt / "model.safetensors")
+    message = r"ckpt/model.safetensors: its sha256 differs from the one config.json recorded"
+    with pytest.raises(ValueError, match=message):
+        run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+    with pytest.raises(ValueError, match=message):
+        load_draft(ckpt, target)  # evaluate's loader
+    assert not (tmp_path / "o").exists()
+    # a training checkpoint's head without that record (an older one): its trainer.json's checksums
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["eagle_train"]["weights_sha256"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    state = ckpt / "training_state"
+    state.mkdir()
+    (state / "trainer.json").write_text(json.dumps({"files": {"model.safetensors": "0" * 64}}))
+    with pytest.raises(ValueError, match=r"model.safetensors: its sha256 differs from the one trainer.json"):
+        run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+
+
+@pytest.mark.parametrize("cut", [100, -100], ids=["header", "data"])
+def test_a_truncated_head_file_is_one_line_naming_it(ckpt, target, tmp_path, cut):
+    """Issue 26.8: a truncated model.safetensors (header or data cut) gave safetensors' raw error, which
+    names no file, in export (load_head) and evaluate (load_draft); a head with no checksum recorded (an
+    export) gets there."""
+    exported = export_head(load_head(ckpt)[0], "sglang", tmp_path / "exported")
+    weights = exported / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:cut])
+    with pytest.raises(ValueError, match=r"exported/model.safetensors: not a readable safetensors file"):
+        load_draft(exported, target)
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / "plain" / f).parent.mkdir(exist_ok=True)
+        (tmp_path / "plain" / f).write_bytes((ckpt / f).read_bytes())
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    del config["eagle_train"]["weights_sha256"]  # a head saved before the record existed
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    weights = tmp_path / "plain" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:cut])
+    with pytest.raises(ValueError, match=r"plain/model.safetensors: not a readable safetensors file"):
+        run(export_cfg(f"ckpt={tmp_path / 'plain'}", f"out={tmp_path / 'o'}"))
+
+
 def test_refuse_policy_leaves_nothing(ckpt, tmp_path):
     with pytest.raises(ValueError, match="vLLM's EAGLE fc has no bias"):
         run(export_cfg(f"ckpt={ckpt}", "fc_bias=refuse", f"out={tmp_path / 'o'}"))

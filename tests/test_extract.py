@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from eagle_train.store.codec import decode
 from eagle_train.store.manifest import MANIFEST_NAME, StoreError, StoreMismatchError, target_config_hash
 from eagle_train.store.reader import FeatureStore
 from eagle_train.store.writer import shard_name
-from tests.conftest import DATA
+from tests.conftest import DATA, STORIES260K, decoder_fine_tune
 
 ALPACA = str(DATA / "sharegpt" / "alpaca_cleaned_1000_as_sharegpt.json")
 FASTCHAT = str(DATA / "sharegpt" / "fastchat_dummy_conversation.json")  # short multi-turn conversations
@@ -233,6 +236,18 @@ def test_aux_layers_are_extracted_for_eagle3(target_cfg, target, tmp_path):
         run(extract_cfg(target_cfg, plain, path=FASTCHAT, limit=6, max_len=96, dtype="float32", aux=True))
 
 
+def test_repeated_ids_give_a_store_training_opens(target_cfg, tmp_path):
+    """Issue 26.2: ids `x, x, x_dup1` used to be stored as `x, x_dup1, x_dup1`, a store training refuses
+    as "duplicated or misplaced" (and a re-extraction gave the same store)."""
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]
+    data = write(
+        tmp_path / "dups.jsonl",
+        "".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x", "x", "x_dup1")),
+    )
+    run(extract_cfg(target_cfg, tmp_path / "store", path=data, limit=None, shard_samples=2))
+    assert FeatureStore(tmp_path / "store").ids == ["x", "x_dup1", "x_dup1_dup1"]
+
+
 def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_path):
     """16.9: a truncated manifest.json: training names the file; a rerun of the extraction rewrites it
     and keeps every shard."""
@@ -246,6 +261,69 @@ def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_
     run(cfg)
     assert FeatureStore(tmp_path).ids == ids and len(kept) == 3
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("shard-*.safetensors")} == kept
+
+
+def rot_in_place(shard: Path, at: int = -64) -> None:
+    """Flip one byte of a shard in place, as a failing disk would: same inode, same size, same mtime."""
+    before = shard.stat()
+    with shard.open("r+b") as f:
+        f.seek(at, 2)
+        byte = f.read(1)
+        f.seek(at, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (shard.stat().st_mtime_ns, shard.stat().st_ino) == (before.st_mtime_ns, before.st_ino)
+
+
+def test_a_rerun_repairs_a_shard_training_found_rotted(target_cfg, tmp_path):
+    """Issue 26.4: a shard whose bytes rotted in place (mtime kept) was kept by every rerun while training
+    kept refusing it. Training records the damage in the shard's sidecar; the rerun re-hashes that shard
+    and extracts it again (the others are kept), to the very bytes it had."""
+    cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
+    run(cfg)
+    good = (tmp_path / shard_name(1)).read_bytes()
+    kept = {k: (tmp_path / shard_name(k)).stat().st_mtime_ns for k in (0, 2)}
+    rot_in_place(tmp_path / shard_name(1))
+    with pytest.raises(StoreError, match=r"shard-00001.safetensors: its checksum .* rerun the extraction"):
+        FeatureStore(tmp_path).verify()  # what training does when it first reads the shard
+    assert "damaged" in json.loads((tmp_path / "shard-00001.json").read_text())
+    run(cfg)
+    assert (tmp_path / shard_name(1)).read_bytes() == good
+    assert {k: (tmp_path / shard_name(k)).stat().st_mtime_ns for k in (0, 2)} == kept
+    FeatureStore(tmp_path).verify()
+    assert "damaged" not in json.loads((tmp_path / "shard-00001.json").read_text())
+
+
+def test_verify_full_repairs_a_rot_nothing_reported(target_cfg, tmp_path):
+    """Issue 26.4: a shard rotted in place that no reader has seen yet: a plain rerun trusts its unchanged
+    size and mtime (a resume never re-reads the store); verify=full re-hashes every shard and repairs it."""
+    cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
+    run(cfg)
+    good = (tmp_path / shard_name(2)).read_bytes()
+    rot_in_place(tmp_path / shard_name(2))
+    run(cfg)
+    assert (tmp_path / shard_name(2)).read_bytes() != good  # not re-read: the documented limit
+    run(replace(cfg, verify="full"))
+    assert (tmp_path / shard_name(2)).read_bytes() == good
+    FeatureStore(tmp_path).verify()
+
+
+def test_a_rerun_after_the_decoder_layers_changed_is_refused(target_cfg, tmp_path):
+    """Issue 26.1: the target's identity covered its embedding and LM head only, so resuming after its
+    decoder layers changed in place mixed the shards of two models. The sha256 of every weight file is
+    the identity now."""
+    model = decoder_fine_tune(tmp_path / "model")
+    shutil.copytree(STORIES260K, tmp_path / "original")
+    cfg = extract_cfg(replace(target_cfg, path=str(tmp_path / "original")), tmp_path / "store", limit=4)
+    run(cfg)
+    files = FeatureStore(tmp_path / "store").manifest["target"]["weight_files"]
+    assert list(files) == ["model.safetensors"] and len(files["model.safetensors"]) == 64
+    (tmp_path / "original" / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    with pytest.raises(
+        StoreMismatchError, match=r"target\.weight_files\.model\.safetensors: expected '[0-9a-f]{64}', found"
+    ) as err:
+        run(cfg)
+    assert "target.weights." not in str(err.value)  # the embedding and LM head are the same
 
 
 def test_a_bad_record_after_the_first_shard_names_it_and_writes_no_manifest(target_cfg, tmp_path):

@@ -112,6 +112,23 @@ def test_killed_run_resumes_to_the_same_store(tmp_path, reference_store):
     assert "conversations: 10" in resumed.stdout and "bytes per token" in resumed.stdout
 
 
+def test_a_rerun_killed_at_its_start_leaves_the_complete_store_usable(tmp_path, reference_store):
+    """Issue 26.6: a rerun over a complete store removed manifest.json first, so a kill right after that
+    left the store unusable until the next rerun. The manifest stays until a shard is written again and
+    is replaced atomically at the end."""
+    shutil.copytree(reference_store.path, tmp_path, dirs_exist_ok=True)
+    before = (tmp_path / MANIFEST_NAME).read_text()
+    killed = extract_cli(
+        tmp_path, command=[sys.executable, str(KILL_AFTER), "eagle_train.extract", "prepare_out_dir", "1"]
+    )
+    assert killed.returncode == KILLED, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert (tmp_path / MANIFEST_NAME).read_text() == before
+    FeatureStore(tmp_path).verify()
+    resumed = extract_cli(tmp_path)  # keeps every shard, replaces the manifest atomically
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert_same_store(FeatureStore(tmp_path), reference_store)
+
+
 def test_cli_bad_input_exits_nonzero_naming_the_record(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = {"id": "ok", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hey"}]}

@@ -12,6 +12,7 @@ from eagle_train.files import (
     atomic_path,
     atomic_write_dir,
     atomic_write_into,
+    cached_sha256,
     read_json,
     remove_partial_files,
 )
@@ -69,3 +70,26 @@ def test_read_json_names_the_file_and_the_place(tmp_path):
     (tmp_path / "deep.json").write_text("[" * 100_000)
     with pytest.raises(FileFormatError, match="deep.json"):
         read_json(tmp_path / "deep.json")
+
+
+def test_a_cached_sha256_is_reused_until_the_file_is_written_again(tmp_path, monkeypatch):
+    """Issue 26.1: a checkpoint's weight files are hashed once (cached by path, size, mtime, ctime and
+    inode); a rewrite in place is hashed again even with its size and mtime set back (ctime moves)."""
+    import eagle_train.files as files
+
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 4096)
+    reads = []
+    real = files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda path: reads.append(path) or real(path))
+    first = cached_sha256(weights)
+    assert first == real(weights) and cached_sha256(weights) == first and len(reads) == 1
+    before = weights.stat()
+    with weights.open("r+b") as f:
+        f.write(b"b")  # same size
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert cached_sha256(weights) == real(weights) != first and len(reads) == 2
+    (tmp_path / "not_a_dir").write_text("")  # a cache that cannot be written costs the hash, nothing else
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "not_a_dir"))
+    assert cached_sha256(weights) == real(weights) and len(reads) == 3

@@ -156,6 +156,20 @@ def test_sampling_is_seeded(target_cfg, tmp_path):
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
 
+def test_repeated_ids_lose_no_conversation(target_cfg, tmp_path):
+    """Issue 26.2: ids `x, x, x_dup1` were renamed into a second `x_dup1`, which the resumable output
+    took for done: 3 prompts in, 2 replies out."""
+    lines = [
+        {"id": i, "conversations": [{"from": "human", "value": f"Once upon a time {i}"}]}
+        for i in ("x", "x", "x_dup1")
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    stats = regen.run(make_cfg(target_cfg, prompts, tmp_path / "out.jsonl", max_new_tokens=4))
+    ids = [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert stats["records"] == 3 and ids == ["x", "x_dup1", "x_dup1_dup1"]
+
+
 def test_bad_lines_and_config(target_cfg, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 2)
     record = '{"id": "x", "conversations": [], "finish_reasons": []}'

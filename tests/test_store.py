@@ -179,9 +179,12 @@ def test_prepare_out_dir_refuses_other_config_unless_overwrite(tmp_path):
     with pytest.raises(StoreMismatchError, match=r"data\.sha256: expected 'beef', found 'd00d'.*template"):
         prepare_out_dir(tmp_path, other, overwrite=False)
     assert (tmp_path / MANIFEST_NAME).exists()  # refused: nothing touched
-    # a renamed data set (same file contents) is the same store: shards kept, manifest pending
+    # a renamed data set (same file contents) is the same store: shards and manifest kept (issue 26.6:
+    # the manifest is replaced at the end of the run, or removed when a shard is written again)
     prepare_out_dir(tmp_path, {**IDENTITY, "data": {**IDENTITY["data"], "name": "renamed"}}, overwrite=False)
-    assert (tmp_path / shard_name(1)).exists() and not (tmp_path / MANIFEST_NAME).exists()
+    assert (tmp_path / shard_name(1)).exists() and (tmp_path / MANIFEST_NAME).exists()
+    write_shard(tmp_path, 1, make_samples([2]), "float32", 512, extra={"start": 1, "stop": 2})
+    assert not (tmp_path / MANIFEST_NAME).exists()
     prepare_out_dir(tmp_path, other, overwrite=True)
     assert not list(tmp_path.glob("shard-*")) and (tmp_path / STORE_CONFIG_NAME).exists()
     # the pending store config (no manifest yet) is what a rerun is checked against

@@ -23,7 +23,7 @@ from eagle_train.store.shard import ShardFile
 from eagle_train.store.writer import shard_name
 from eagle_train.train import run
 from eagle_train.training.optim import NonFiniteError
-from tests.conftest import STORIES260K, TINY_SHAPE, reseal
+from tests.conftest import STORIES260K, TINY_SHAPE, decoder_fine_tune, reseal
 
 
 def make_cfg(store: Path | None, out_dir: Path, *overrides: str) -> TrainConfig:
@@ -423,6 +423,65 @@ def test_a_store_from_a_fine_tune_of_the_same_shape_is_refused(tiny_store, tmp_p
     ) as err:
         run(make_cfg(tiny_store, tmp_path / "run", "max_steps=1", f"target.path={fine_tune(tmp_path)}"))
     assert "target.config_hash" not in str(err.value)  # the configs are the same
+
+
+def test_a_store_from_a_decoder_only_fine_tune_is_refused(tiny_store, tmp_path):
+    """Issue 26.1: same config, same embedding and LM head, other decoder layers: the store's features
+    are another model's. The sha256 of the weight files tells them apart (offline training reads them
+    without loading a decoder layer)."""
+    model = decoder_fine_tune(tmp_path / "model")
+    with pytest.raises(
+        StoreMismatchError, match=r"target\.weight_files\.model\.safetensors: expected '[0-9a-f]{64}'"
+    ) as err:
+        run(make_cfg(tiny_store, tmp_path / "run", "max_steps=1", f"target.path={model}"))
+    assert "target.weights." not in str(err.value) and "config_hash" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_online_resume_refuses_a_decoder_only_fine_tune(tiny_conversations, tmp_path):
+    """Issue 26.1: a resumed online run must use the target its checkpoint was trained with, decoder
+    layers included (target.path may move; the weights may not change)."""
+    from eagle_train.training.checkpoint import CheckpointError
+
+    args = (
+        "max_steps=2",
+        "save_every=1",
+        "eval_every=0",
+        "data.source=online",
+        f"data.path={tiny_conversations}",
+    )
+    run(make_cfg(None, tmp_path / "run", *args, "stop_at_step=1"))
+    model = decoder_fine_tune(tmp_path / "model")
+    with pytest.raises(CheckpointError, match=r"cannot resume: .*target\.weight_files\.model\.safetensors"):
+        run(make_cfg(None, tmp_path / "run", *args, f"target.path={model}"))
+
+
+def test_a_store_from_before_weight_files_were_recorded_trains_with_a_warning(tiny_store, tmp_path, caplog):
+    """Issue 26.1: a store extracted by an earlier eagle-train (no target.weight_files) is still read, its
+    config, embedding and LM head checked, with a warning that its decoder layers cannot be; a rerun of
+    its extraction is refused (its shards cannot be told to come from this target) unless overwrite."""
+    from eagle_train.config.data import DataConfig
+    from eagle_train.config.extract import ExtractConfig
+    from eagle_train.extract import run as extract
+
+    store = copy_store(tiny_store, tmp_path / "store")
+    for name in ("manifest.json", "store_config.json"):
+        recorded = json.loads((store / name).read_text())
+        del recorded["target"]["weight_files"]
+        (store / name).write_text(json.dumps(recorded))
+    run(make_cfg(store, tmp_path / "run", "max_steps=1", "save_every=0", "eval_every=0"))
+    assert "records no target.weight_files (extracted by an earlier eagle-train)" in caplog.text
+    manifest = json.loads((store / "manifest.json").read_text())
+    data = DataConfig(name="tinystories", path=manifest["data"]["path"])
+    cfg = ExtractConfig(
+        target=make_cfg(store, tmp_path).target,
+        data=data,
+        out_dir=str(store),
+        dtype="float32",
+        progress=False,
+    )
+    with pytest.raises(StoreMismatchError, match=r"weight_files.*extracted by an earlier eagle-train"):
+        extract(cfg)
 
 
 def test_bad_cadence_settings_fail_when_the_config_is_made(tmp_path):

@@ -9,6 +9,7 @@ from eagle_train.config.target import TargetConfig
 
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32", "fp8")
 BACKENDS = ("hf", "vllm")
+VERIFY = ("changed", "full")
 
 
 @dataclass
@@ -49,6 +50,10 @@ class ExtractConfig:
         512 * 2**20
     )  # most bytes of hidden states per shard (a shard holds at least one sample)
     overwrite: bool = False  # replace an existing store made with a different config
+    # which kept shards a rerun re-hashes: changed (size, mtime or inode changed since last verified, or
+    # training found it damaged) | full (every one: reads the whole store); a shard whose bytes differ is
+    # extracted again
+    verify: str = "changed"
     # also store the inputs of target.aux_layers, the features of EAGLE-3 heads (4 hidden states per
     # token: 4x the bytes; online training, data.source=online, needs no store at all)
     aux: bool = False
@@ -57,6 +62,8 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         if self.dtype not in HIDDEN_DTYPES:
             raise ValueError(f"dtype must be one of {HIDDEN_DTYPES}, got {self.dtype!r}")
+        if self.verify not in VERIFY:
+            raise ValueError(f"verify must be one of {VERIFY}, got {self.verify!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_tokens < 1 or self.max_batch_size < 1:

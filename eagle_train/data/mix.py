@@ -1,15 +1,18 @@
 """Several ShareGPT files -> one conversations JSONL: a prompt mix for `eagle_train.regenerate` (or training).
 
-    python -m eagle_train.data.mix out=FILE.jsonl source=A.jsonl[:N] source=B.json[:N] ...
+    python -m eagle_train.data.mix out=FILE.jsonl source=A.jsonl[:N] source=B.json[:N] ... [overwrite=true]
 
 Each source is read and normalised as training reads it (`eagle_train.data.sharegpt.iter_conversations`:
 JSON array or JSONL, `from`/`value`, `role`/`content` or `messages`; prompt-only files allowed), its first
 N conversations kept (`:N`; all without), and written in source order as ShareGPT JSONL
 `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}]}`; an id already used by an earlier
-source gets `_dup<k>` (counted). Bad input raises DataError naming the file and the record. The output is
-streamed (one conversation in memory at a time) and written atomically, with `<out>.stats.json` beside it:
-each source's path, sha256, limit and counts (read, kept, dropped by reason, repaired), so the mix a head
-was trained on can always be told.
+source gets `_dup<k>` (counted; `sharegpt.unique_id`: unique by construction). Bad input raises DataError
+naming the file and the record. The output is streamed (one conversation in memory at a time) and written
+atomically, with `<out>.stats.json` beside it: each source's path, sha256, limit and counts (read, kept,
+dropped by reason, repaired) and the output's own sha256, so the mix a head was trained on can always be
+told. An existing `out` is replaced only when it is an earlier mix, unchanged since (its stats file says
+so); anything else (a dataset, a mix edited by hand, a directory) is refused unless `overwrite=true`
+(eagle_train.files.check_output_file, the rule regenerate follows too).
 
 The CPU demo regenerates a mix of TinyStories prompts and real ShareGPT prompts
 (`conf/experiment/tiny_cpu.yaml`): a head that has seen the target answer chat-style questions accepts more
@@ -19,6 +22,7 @@ on mt_bench.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -32,7 +36,16 @@ from eagle_train.data.sharegpt import (
     iter_conversations,
     unique_id,
 )
-from eagle_train.files import atomic_write_json, atomic_write_lines, file_sha256
+from eagle_train.files import (
+    OutputError,
+    atomic_write_json,
+    atomic_write_lines,
+    check_output_file,
+    file_sha256,
+    read_json,
+)
+
+WRITTEN_BY = "eagle_train.data.mix"
 
 
 def parse_source(spec: str) -> tuple[str, int | None]:
@@ -46,16 +59,43 @@ def parse_source(spec: str) -> tuple[str, int | None]:
     return expand_data_ref(path), limit
 
 
-def mix_conversations(out: str | Path, sources: list[tuple[str, int | None]]) -> dict[str, Any]:
+def stats_path(out: Path) -> Path:
+    """`<out>.stats.json`: the mix's provenance."""
+    return out.with_name(f"{out.name}.stats.json")
+
+
+def check_own_mix(out: Path) -> None:
+    """OutputError unless `out` is an earlier mix unchanged since: its stats file was written by this
+    command and records the file's sha256 (a stats file from before it recorded one: an earlier mix)."""
+    stats = stats_path(out)
+    if not stats.is_file():
+        raise OutputError(f"{out}: not written by {WRITTEN_BY} (no {stats.name} beside it)")
+    recorded = read_json(stats, "mix stats")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("sources"), list):
+        raise OutputError(f"{out}: {stats.name} was not written by {WRITTEN_BY}")
+    if "written_by" not in recorded:
+        return  # a mix written before the stats recorded the output's sha256
+    if recorded.get("sha256") != file_sha256(out):
+        raise OutputError(
+            f"{out}: changed since {WRITTEN_BY} wrote it (its sha256 differs from {stats.name})"
+        )
+
+
+def mix_conversations(
+    out: str | Path, sources: list[tuple[str, int | None]], overwrite: bool = False
+) -> dict[str, Any]:
     """Write the mix of `sources` [(path, limit)] to `out` (and `<out>.stats.json`), streaming: one
-    conversation in memory at a time; returns the stats."""
+    conversation in memory at a time; returns the stats. An existing `out` that is not an earlier mix
+    (`check_own_mix`) is refused unless `overwrite`."""
     if not sources:
         raise ValueError("no source given: source=FILE[:N], once per file")
     out = Path(out)
     if out.resolve() in {Path(path).resolve() for path, _ in sources}:
         raise ValueError(f"{out}: the output is one of the sources")
+    check_output_file(out, lambda: check_own_mix(out), overwrite)
     seen: dict[str, int] = {}
     stats: list[dict[str, Any]] = []
+    digest = hashlib.sha256()
 
     def lines():
         for path, limit in sources:
@@ -66,7 +106,9 @@ def mix_conversations(out: str | Path, sources: list[tuple[str, int | None]]) ->
                     for m in conversation["messages"]
                 ]
                 record = {"id": unique_id(conversation["id"], seen, report), "conversations": turns}
-                yield json.dumps(record, ensure_ascii=False) + "\n"
+                line = json.dumps(record, ensure_ascii=False) + "\n"
+                digest.update(line.encode("utf-8"))
+                yield line
                 kept += 1
             stats.append(
                 {
@@ -81,9 +123,21 @@ def mix_conversations(out: str | Path, sources: list[tuple[str, int | None]]) ->
             )
 
     atomic_write_lines(out, lines())
-    summary = {"conversations": sum(s["kept"] for s in stats), "sources": stats}
-    atomic_write_json(out.with_name(f"{out.name}.stats.json"), summary)
+    summary = {
+        "conversations": sum(s["kept"] for s in stats),
+        "sources": stats,
+        "sha256": digest.hexdigest(),
+        "written_by": WRITTEN_BY,
+    }
+    atomic_write_json(stats_path(out), summary)
     return summary
+
+
+def true_or_false(value: str) -> bool:
+    """`true` / `false` (any case), as Hydra writes booleans."""
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() == "true"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -99,6 +153,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         required=True,
         help="a ShareGPT file, optionally :N for its first N conversations; once per file, in order",
     )
+    parser.add_argument(
+        "--overwrite",
+        type=true_or_false,
+        default=False,
+        help="replace an existing out that is not an earlier mix (default false)",
+    )
     return parser.parse_args(argv)
 
 
@@ -106,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        summary = mix_conversations(args.out, [parse_source(s) for s in args.source])
+        summary = mix_conversations(args.out, [parse_source(s) for s in args.source], args.overwrite)
     except (DataError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     parts = ", ".join(f"{Path(s['path']).name} {s['kept']}" for s in summary["sources"])

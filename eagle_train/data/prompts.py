@@ -90,6 +90,13 @@ def load_questions(
     """The questions of a benchmark (name or JSONL path), the first `num_questions` of them (None = all),
     each cut to its first `max_turns` turns (None = all). Errors name the file, the line and the reason."""
     path = bench_path(bench)
+    try:
+        return _read_questions(path, num_questions, max_turns)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason}): save the prompt file as UTF-8") from None
+
+
+def _read_questions(path: Path, num_questions: int | None, max_turns: int | None) -> list[Question]:
     questions: list[Question] = []
     seen: set[str] = set()
     with path.open(encoding="utf-8") as f:

@@ -18,7 +18,8 @@ repairs of kept conversations are counted by kind, once per conversation; both i
 6. With `require_replies`: a trailing user turn (nothing to learn from) is removed (fix
    `trailing_user_removed`); a conversation with no assistant turn is dropped (`no_assistant_turn`).
    Without it (prompts for regeneration) conversations may end in a user turn.
-Missing ids become `<file stem>_<index>`; a repeated id gets `_dup<k>` appended (fix `duplicate_id_renamed`).
+Missing ids become `<file stem>_<index>`; a repeated id gets `_dup<k>` appended, the smallest k that no other
+record holds, so the ids of a file are unique (fix `duplicate_id_renamed`; `unique_id`).
 """
 
 from __future__ import annotations
@@ -382,13 +383,19 @@ def stream_conversations(cfg: DataConfig, report: DropReport) -> Iterator[dict[s
 
 
 def unique_id(record_id: str, seen: dict[str, int], report: DropReport) -> str:
-    """`record_id`, or `record_id_dup<k>` if it was used before (counted)."""
-    k = seen.get(record_id, 0)
-    seen[record_id] = k + 1
-    if k == 0:
+    """`record_id`, or, if an earlier record of the stream already holds it, `record_id_dup<k>` with the
+    smallest k >= 1 no record holds (counted). Every id returned is recorded in `seen` (id -> the last k
+    tried for it), so the ids of one stream are unique by construction: `x, x, x_dup1` -> `x, x_dup1,
+    x_dup1_dup1`. The one home of the renaming rule (the loader, extraction, regeneration and the mix)."""
+    if record_id not in seen:
+        seen[record_id] = 0
         return record_id
+    k = seen[record_id]
+    while (renamed := f"{record_id}_dup{k + 1}") in seen:
+        k += 1
+    seen[record_id], seen[renamed] = k + 1, 0
     report.fix("duplicate_id_renamed")
-    return f"{record_id}_dup{k}"
+    return renamed
 
 
 def is_eval_id(conversation_id: str, eval_fraction: float) -> bool:

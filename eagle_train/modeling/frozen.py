@@ -12,19 +12,26 @@ model's own. At 70B that is 2 x 2.1 GB read instead of 140 GB.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pickle
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
 from eagle_train.config.target import TargetConfig
+from eagle_train.files import cached_sha256
 from eagle_train.modeling.target import (
     TargetParts,
+    error_reason,
     load_target_config,
     load_tokenizer,
     target_source,
@@ -98,6 +105,20 @@ class Shard:
         return path
 
 
+def checkpoint_sha256(source: str, revision: str | None = None) -> dict[str, str]:
+    """{file name: sha256} of every weight file of the checkpoint (the shards its index names, or its
+    single file): the identity of every weight the features depend on, decoder layers included. Only
+    bytes are read, never a tensor; each file is hashed once (files.cached_sha256: later calls cost a
+    stat), several at a time. For a hub id the files are fetched first if they are not in its cache."""
+    files, _ = weight_files(source, revision)
+    shards = sorted(set(files.values()), key=lambda shard: shard.name)
+    paths = [shard.path() for shard in shards]
+    workers = max(1, min(len(paths), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
+        digests = list(pool.map(cached_sha256, paths))  # hashlib and reads release the GIL
+    return {shard.name: digest for shard, digest in zip(shards, digests, strict=True)}
+
+
 def _resolve(source: str, name: str, revision: str | None) -> Path | None:
     if Path(source).is_dir():
         return Path(source) / name if (Path(source) / name).is_file() else None
@@ -105,11 +126,25 @@ def _resolve(source: str, name: str, revision: str | None) -> Path | None:
     return Path(found) if found else None
 
 
+@contextlib.contextmanager
+def named_read(file: Path) -> Iterator[None]:
+    """A checkpoint file that cannot be read (cut short, not safetensors, a pickle with code in it, which
+    torch's weights_only load refuses) is a CheckpointError naming it, not a traceback from the reader."""
+    try:
+        yield
+    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
+        raise CheckpointError(
+            f"{file}: cannot be read as a weight file ({error_reason(err)}): damaged, or not a checkpoint "
+            "of plain tensors"
+        ) from None
+
+
 def _file_keys(path: Path, kind: str) -> list[str]:
-    if kind == "safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    return list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    with named_read(path):
+        if kind == "safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        return list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
 def read_checkpoint_tensors(
@@ -130,12 +165,13 @@ def read_checkpoint_tensors(
 
 
 def _read_safetensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    with safe_open(str(file), framework="pt") as f:
+    with named_read(file), safe_open(str(file), framework="pt") as f:
         return {k: f.get_tensor(k) for k in keys}
 
 
 def _read_pytorch(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    with named_read(file):
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     return {k: state[k].clone() for k in keys}  # copied out of the map; the rest is never read
 
 

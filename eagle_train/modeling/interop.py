@@ -38,12 +38,18 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eagle_train.files import atomic_write_dir, atomic_write_into, read_json
 from eagle_train.kv_cache import attention_shape
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_finite
+from eagle_train.modeling.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_finite,
+    check_head_files,
+    read_head_weights,
+)
 from eagle_train.modeling.draft import DraftHead
 
 log = logging.getLogger(__name__)
@@ -332,7 +338,7 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
         file = path / name
         if file.is_file():
             if name == WEIGHTS_NAME:
-                return load_file(str(file)), file
+                return read_head_weights(file), file
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as err:  # a pickle with code in it, or a corrupt file
@@ -406,11 +412,19 @@ def recorded_target(meta: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def other_target(meta: dict[str, Any], target) -> str | None:
-    """Why a head's meta says it was trained for another target than `target` (its name, or the weight
-    fingerprint of the embedding and LM head: a fine-tune of the same shape), or None."""
+    """Why a head's meta says it was trained for another target than `target` (the weight files that
+    differ, or the weight fingerprint of the embedding and LM head: a fine-tune of the same shape, or its
+    name), or None."""
     trained_for, _ = recorded_target(meta)
-    recorded = meta.get("target", {}).get("weights") if isinstance(meta.get("target"), dict) else None
-    recorded = recorded or meta.get("target_weights")
+    block = meta.get("target") if isinstance(meta.get("target"), dict) else {}
+    files = block.get("weight_files") or meta.get("target_weight_files")
+    if isinstance(files, dict) and files != target.weight_files:
+        differ = differing_files(files, target.weight_files)
+        return (
+            f"it was trained for a target with other weights (weight files that differ: {differ}): a "
+            "fine-tune or another revision; expect a lower acceptance; the output is still the target's own"
+        )
+    recorded = block.get("weights") or meta.get("target_weights")
     if recorded and recorded != target.weight_fingerprint:
         return (
             f"it was trained for a target with other weights (embedding / LM head fingerprint {recorded}, "
@@ -420,6 +434,17 @@ def other_target(meta: dict[str, Any], target) -> str | None:
     if trained_for and trained_for != target.cfg.name:
         return f"it was trained for {trained_for!r}, not {target.cfg.name!r}"
     return None
+
+
+def differing_files(recorded: dict[str, str], found: dict[str, str]) -> str:
+    """`name (sha256 recorded ab12cd34..., here ef56...)` for each file whose sha256 differs, is only
+    recorded or is only here."""
+    short = lambda sha: f"{sha[:12]}..." if sha else "none"  # noqa: E731
+    return "; ".join(
+        f"{name} (sha256 recorded {short(recorded.get(name))}, here {short(found.get(name))})"
+        for name in sorted(set(recorded) | set(found))
+        if recorded.get(name) != found.get(name)
+    )
 
 
 def warn_other_target(path: Path, meta: dict[str, Any], target) -> None:
@@ -447,6 +472,7 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
         raw_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from err
+    check_head_files(path)
     raw_state, file = read_weights(path)
     from eagle_train.modeling.eagle3_layout import flat_config, is_eagle3, load_eagle3
 

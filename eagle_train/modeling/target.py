@@ -25,11 +25,13 @@ import functools
 import hashlib
 import inspect
 import logging
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -128,10 +130,12 @@ def check_output_logits(model: PreTrainedModel, transform: LogitTransform, lengt
 
 class TargetParts:
     """What a loaded `Target` and its `FrozenTarget` parts (modeling.frozen) share: shapes, length limits,
-    the output processing and the weight fingerprint, from `config`, `cfg`, `embed_tokens` and `lm_head`."""
+    the output processing and the weights' identity, from `config`, `cfg`, `source`, `embed_tokens` and
+    `lm_head`."""
 
     config: PretrainedConfig
     cfg: TargetConfig
+    source: str
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
 
@@ -183,6 +187,17 @@ class TargetParts:
             data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
             out[name] = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
         return out
+
+    @functools.cached_property
+    def weight_files(self) -> dict[str, str]:
+        """{file name: sha256} of every weight file of the target's checkpoint (modeling.frozen.
+        checkpoint_sha256): the identity of all its weights, decoder layers included, so a fine-tune of
+        any layer differs here (`weight_fingerprint` covers the embedding and LM head only). Read from
+        the files, cached by path, size and times: no tensor is loaded, and after the first time it
+        costs a stat per file."""
+        from eagle_train.modeling.frozen import checkpoint_sha256  # frozen builds on this module
+
+        return checkpoint_sha256(self.source, self.cfg.revision)
 
 
 @dataclass
@@ -485,20 +500,34 @@ def attention_to_load(cfg: TargetConfig) -> str:
     return "eager"
 
 
+def error_reason(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message` (cut to `limit` characters): a reader's error in one line (torch's
+    and safetensors' run over several, naming no file; the caller names it)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
     """Load the target frozen, in eval mode, on `device` with the configured dtype; with
     `cfg.device_map` spread by accelerate over the devices it names (`device` is then unused: inputs go
     to the model's first device, `Target.device`)."""
     source = target_source(cfg)
     dtype = "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        source,
-        dtype=dtype,
-        trust_remote_code=cfg.trust_remote_code,
-        revision=cfg.revision,
-        attn_implementation=attention_to_load(cfg),
-        device_map=cfg.device_map,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code,
+            revision=cfg.revision,
+            attn_implementation=attention_to_load(cfg),
+            device_map=cfg.device_map,
+        )
+    except (SafetensorError, pickle.UnpicklingError) as err:  # a weight file cut short, or forged
+        raise ValueError(
+            f"target {source}: a weight file cannot be read ({error_reason(err)}): damaged, or not a "
+            "checkpoint of plain tensors"
+        ) from None
     if cfg.device_map is None:
         model.to(device)
     model.eval()

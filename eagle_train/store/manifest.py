@@ -1,17 +1,19 @@
 """A feature store's identity and its manifest: what decides the contents, what a reader accepts.
 
 The identity (`store_identity`) is every field that decides what a store holds: the schema version, the
-target (config hash, weight fingerprint of its embedding and LM head, hidden size, vocabulary, model
-type, dtype), the stored `dtype`, the chat template, `max_len`, the data (its sha256 and cleaning
-options), for an EAGLE-3 store the `aux_layers` whose inputs it holds and, when it is not the Hugging
-Face forward, the `backend` that produced the features.
+target (config hash, the sha256 of each of its weight files, `weight_files`: every weight, decoder layers
+included; the fingerprint of its embedding and LM head, hidden size, vocabulary, model type, dtype), the
+stored `dtype`, the chat template, `max_len`, the data (its sha256 and cleaning options), for an EAGLE-3
+store the `aux_layers` whose inputs it holds and, when it is not the Hugging Face forward, the `backend`
+that produced the features.
 Extraction writes it as store_config.json before the first shard (a rerun resumes or refuses) and as
 the head of manifest.json at the end; `content_key` / `store_hash` are what two runs must share.
 
 A reader accepts a manifest (`read_manifest`) when the store is complete, the manifest parses, its schema
 version is one this code reads and its dtype one this torch can hold; `check_compatible` then compares
 dotted fields (e.g. `target.hidden_size`) with what the caller needs (`expected_target`: training's
-target). Every refusal names the file and the field.
+target). Every refusal names the file and the field. A store extracted before `weight_files` was recorded
+is still read, with a warning that a change of the target's decoder layers cannot be detected for it.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def store_identity(
     store that has them, so an EAGLE-1 HF store's identity is what it always was.
 
     target: a loaded target or its frozen parts (modeling.target.Target / FrozenTarget: cfg, source,
-    weight_fingerprint, hidden_size, vocab_size, dtype); hf_config: its config as `AutoConfig` loads it
-    (what training hashes); data: the data block (path, sha256, cleaning options)."""
+    weight_fingerprint, weight_files, hidden_size, vocab_size, dtype); hf_config: its config as
+    `AutoConfig` loads it (what training hashes); data: the data block (path, sha256, cleaning options)."""
     identity = {
         "schema_version": SCHEMA_VERSION,
         "target": {
@@ -75,6 +77,7 @@ def store_identity(
             "source": target.source,
             "config_hash": target_config_hash(hf_config.to_dict()),
             "weights": target.weight_fingerprint,
+            "weight_files": target.weight_files,
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "model_type": str(hf_config.model_type),
@@ -94,15 +97,37 @@ def store_identity(
     return identity
 
 
+WEIGHT_FILES = "target.weight_files."  # the dotted prefix of the per-file sha256 of the target's weights
+
+
 def expected_target(target, hf_config) -> dict[str, Any]:
-    """What a store must have been extracted with (dotted manifest keys) for this target: its config
-    and the fingerprint of its embedding and LM head (a fine-tune of the same shape differs there)."""
+    """What a store must have been extracted with (dotted manifest keys) for this target: its config,
+    the sha256 of each of its weight files (a fine-tune of any layer differs there) and the fingerprint
+    of its embedding and LM head."""
     return {
         "target.config_hash": target_config_hash(hf_config.to_dict()),
+        **{f"{WEIGHT_FILES}{k}": v for k, v in target.weight_files.items()},
         **{f"target.weights.{k}": v for k, v in target.weight_fingerprint.items()},
         "target.hidden_size": target.hidden_size,
         "target.vocab_size": target.vocab_size,
     }
+
+
+def legacy_expected(manifest: dict[str, Any], expected: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`expected` as a store extracted before `target.weight_files` was recorded can meet it: without
+    those fields, and a warning that a change of the target's decoder layers cannot be told for it."""
+    target = manifest.get("target")
+    if not any(k.startswith(WEIGHT_FILES) for k in expected) or (
+        isinstance(target, dict) and "weight_files" in target
+    ):
+        return expected
+    log.warning(
+        "feature store %s records no target.weight_files (extracted by an earlier eagle-train): only its "
+        "target's config, embedding and LM head are checked, not its decoder layers; extract it again "
+        "(overwrite=true) to record them",
+        path,
+    )
+    return {k: v for k, v in expected.items() if not k.startswith(WEIGHT_FILES)}
 
 
 def content_key(identity: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +204,8 @@ def manifest_storage(manifest: dict[str, Any], where: Path) -> Storage:
 
 def check_compatible(manifest: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
     """StoreMismatchError naming every dotted manifest field (e.g. "target.hidden_size") whose value
-    differs from `expected`."""
+    differs from `expected` (an older store without target.weight_files: `legacy_expected`)."""
+    expected = legacy_expected(manifest, expected, path)
     found = flatten(manifest)
     diffs = [
         f"{key}: expected {value!r}, found {found.get(key, '<missing>')!r}"

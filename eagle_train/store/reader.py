@@ -28,7 +28,7 @@ from eagle_train.store.manifest import (
     read_manifest,
 )
 from eagle_train.store.shard import ShardError, ShardFile, scale_name
-from eagle_train.store.writer import shard_name
+from eagle_train.store.writer import mark_damaged, shard_name
 
 SHARD_FIELDS = ("file", "index", "start", "stop", "num_samples", "num_tokens", "sha256", "bytes")
 
@@ -41,7 +41,8 @@ class FeatureStore:
     "hidden" [L, hidden] in the stored dtype} plus, for an fp8 store, "hidden_scale" float32 [L, 1], and
     with `aux=True` "aux" [L, k * hidden] (+ "aux_scale"): EAGLE-3's features. Opening checks the structure
     (StoreError naming the file and what is wrong); a shard's sha256 and value ranges are checked the
-    first time it is read in a process (`verify()` checks them all now). `expected` (dotted manifest
+    first time it is read in a process (`verify()` checks them all now). A damaged shard is recorded as
+    such in its sidecar (`damaged`), so a rerun of the extraction repairs it. `expected` (dotted manifest
     fields) is checked first, as `check_compatible`. Picklable (for DataLoader workers): each process
     opens its own file handles.
     """
@@ -86,14 +87,15 @@ class FeatureStore:
         try:
             shard = ShardFile(file, hidden_size, self.storage)
         except ShardError as err:
-            raise StoreError(str(err)) from None
+            raise damaged(file, str(err)) from None
         if len(shard.ids) != info["num_samples"] or int(shard.offsets[-1]) != info["num_tokens"]:
-            raise StoreError(
+            raise damaged(
+                file,
                 f"{file}: {len(shard.ids)} samples of {int(shard.offsets[-1])} tokens, {MANIFEST_NAME} says "
-                f"{info['num_samples']} of {info['num_tokens']}"
+                f"{info['num_samples']} of {info['num_tokens']}",
             )
         if shard.size != info["bytes"]:
-            raise StoreError(f"{file}: {shard.size} bytes, {MANIFEST_NAME} says {info['bytes']}")
+            raise damaged(file, f"{file}: {shard.size} bytes, {MANIFEST_NAME} says {info['bytes']}")
         if bool(self.manifest.get("aux_layers")) != ("aux" in shard.features):
             held = "holds an `aux` tensor" if "aux" in shard.features else "has no `aux` tensor"
             raise StoreError(f"{file}: the shard {held}, {MANIFEST_NAME} aux_layers is {self.aux_layers}")
@@ -119,7 +121,7 @@ class FeatureStore:
             try:
                 self._shards[s].verify(info["sha256"], self.manifest.get("target", {}).get("vocab_size"))
             except ShardError as err:
-                raise StoreError(str(err)) from None
+                raise damaged(self._shards[s].path, str(err)) from None
             self._verified[s] = True
         return self._shards[s]
 
@@ -176,6 +178,20 @@ class FeatureStore:
         """Check every shard's sha256 and value ranges now (reads the whole store)."""
         for s in range(len(self._shards)):
             self.shard(s)
+
+
+def damaged(shard: Path, what: str) -> StoreError:
+    """The error for a damaged shard, once the damage is recorded in the shard's sidecar
+    (eagle_train.store.writer.mark_damaged), so that a rerun of the extraction re-checks the shard and
+    extracts it again (a shard rotted in place keeps its size and mtime: nothing else would tell)."""
+    if mark_damaged(Path(shard), what):
+        how = "rerun the extraction (the same command): it re-checks this shard and extracts it again"
+    else:
+        how = (
+            "the store is read-only here, so nothing recorded it: rerun the extraction with verify=full "
+            "(every shard re-checked, the damaged ones extracted again)"
+        )
+    return StoreError(f"{what}. To repair the store, {how}")
 
 
 def open_store(

@@ -13,15 +13,19 @@ Layout of a store directory (written by `python -m eagle_train.extract`, read by
 
 Only real tokens are stored, never padding. A rerun keeps a shard whose sidecar matches the plan and the
 store hash; its sha256 is recomputed only if the file's size, mtime or inode changed since it was last
-verified (a resume does not re-read the store). Broken metadata names its file: a broken manifest.json or
-store_config.json is rewritten by a rerun (the other one, or the shards' store hash, still says what the
-store holds). A shard is written under a temporary name and renamed into place, so nothing half written
-is ever taken for a shard.
+verified, if a reader (training) found it damaged and said so in its sidecar (`mark_damaged`), or with
+`verify=full` (every kept shard re-read): a shard whose bytes differ is extracted again. Broken metadata
+names its file: a broken manifest.json or store_config.json is rewritten by a rerun (the other one, or
+the shards' store hash, still says what the store holds). A shard is written under a temporary name and
+renamed into place, so nothing half written is ever taken for a shard. The manifest of a complete store
+stays in place through a rerun that keeps every shard and is replaced atomically at its end; it is
+removed only when a shard is about to be written again (the store is then incomplete until the end).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +56,8 @@ from eagle_train.store.manifest import (
     store_hash,
 )
 from eagle_train.store.shard import Fill, token_dtype, write_shard_file
+
+log = logging.getLogger(__name__)
 
 
 def shard_name(index: int) -> str:
@@ -88,8 +94,9 @@ def plan_shards(
 
 def prepare_out_dir(out_dir: str | Path, identity: dict[str, Any], overwrite: bool) -> None:
     """Make `out_dir` ready for an extraction with `identity`: refuse (or with `overwrite`, clear) a
-    store made with a different config; keep a matching one's shards (a rerun resumes). Broken metadata
-    is named and rewritten; what killed writes left (`.NAME.partial-*`) is removed."""
+    store made with a different config; keep a matching one's shards (a rerun resumes) and its manifest
+    (replaced at the end, or removed when a shard is written again: `write_shard`). Broken metadata is
+    named and rewritten; what killed writes left (`.NAME.partial-*`) is removed."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise StoreError(f"out_dir {out_dir} exists and is not a directory")
@@ -105,13 +112,19 @@ def prepare_out_dir(out_dir: str | Path, identity: dict[str, Any], overwrite: bo
             f"shards of another store (store hash {others[0] if others else ''}) and no readable metadata"
         )
     if diffs and not overwrite:
+        earlier = existing is not None and "weight_files" not in (existing.get("target") or {})
         raise StoreMismatchError(
             f"{out_dir} holds a feature store made with {refusal}. Pass overwrite=true to replace it, "
             "or choose another out_dir."
+            + (
+                " (It was extracted by an earlier eagle-train, which did not record the sha256 of its "
+                "target's weight files: its shards cannot be told to come from this target.)"
+                if earlier
+                else ""
+            )
         )
     if diffs:
         remove_store_files(out_dir)
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until the end of this run
     remove_partial_files(out_dir)  # shards and sidecars being written when a run was killed
     atomic_write_json(out_dir / STORE_CONFIG_NAME, identity)
 
@@ -136,8 +149,8 @@ def write_manifest(
     report: dict[str, Any],
     content_hash: str,
 ) -> dict[str, Any]:
-    """Check that every planned shard has its sidecar, remove shards outside the plan, and write
-    manifest.json atomically (the store is then complete). Returns the manifest."""
+    """Check that every planned shard has its sidecar, write manifest.json atomically (the store is then
+    complete), then remove the shards outside the plan (no manifest names them). Returns the manifest."""
     out_dir = Path(out_dir)
     shards = []
     for index, (start, stop) in enumerate(plan):
@@ -146,11 +159,6 @@ def write_manifest(
             raise StoreError(f"{out_dir}: shard {index} (samples {start}:{stop}) is missing or incomplete")
         info.pop("verified", None)  # local to this copy of the store
         shards.append(info)
-    planned = {shard_name(i) for i in range(len(plan))}
-    for stale in out_dir.glob("shard-*.safetensors"):
-        if stale.name not in planned:
-            stale.unlink()
-            sidecar_path(stale).unlink(missing_ok=True)
     tokens = sum(s["num_tokens"] for s in shards)
     nbytes = sum(s["bytes"] for s in shards)
     counts = {
@@ -171,6 +179,11 @@ def write_manifest(
         "created_by": {"tool": "eagle_train.extract", "version": _package_version()},
     }
     atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+    planned = {shard_name(i) for i in range(len(plan))}
+    for stale in out_dir.glob("shard-*.safetensors"):
+        if stale.name not in planned:
+            stale.unlink()
+            sidecar_path(stale).unlink(missing_ok=True)
     return manifest
 
 
@@ -198,11 +211,13 @@ def write_shard(
     streamed, without features: then `fill(put)` calls `put(i, hidden, aux=...)` for every sample and
     `widths` names the features and their row widths (eagle_train.store.shard.write_shard_file). `dtype`
     is the stored dtype (eagle_train.store.codec: bfloat16 | float16 | float32 | fp8); `extra` (e.g. the
-    sample range and the store hash) goes into the sidecar.
+    sample range and the store hash) goes into the sidecar. A manifest in `out_dir` is removed first:
+    the store is incomplete until the next one is written.
     """
     out_dir = Path(out_dir)
     if not samples:
         raise ValueError(f"shard {index}: no samples")
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # the store is incomplete until its next manifest
     if fill is None:
         names = [name for name in ("hidden", "aux") if name in samples[0]]
         widths = {name: int(torch.as_tensor(samples[0][name]).shape[-1]) for name in names}
@@ -263,23 +278,46 @@ def read_sidecar(shard: Path) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def completed_shard(out_dir: str | Path, index: int, expected: dict[str, Any]) -> dict[str, Any] | None:
+def completed_shard(
+    out_dir: str | Path, index: int, expected: dict[str, Any], full: bool = False
+) -> dict[str, Any] | None:
     """The sidecar of shard `index` if the shard is complete: sidecar present, its fields equal
     `expected` (e.g. the planned sample range and the store hash) and the file's size and sha256
-    match. The sha256 is recomputed only when the file changed (size, mtime, inode) since it was last
-    verified, and the sidecar then records the new verification. Else None."""
+    match. The sha256 is recomputed when the file changed (size, mtime, inode) since it was last
+    verified, when a reader marked it damaged (`mark_damaged`) or with `full`; the sidecar then records
+    the new verification. Else None (the shard is extracted again)."""
     shard = Path(out_dir) / shard_name(index)
     info = read_sidecar(shard)
     if info is None or any(info.get(k) != v for k, v in expected.items()):
         return None
     if info.get("bytes") != shard.stat().st_size:
         return None
-    if info.get("verified") != stat_key(shard):
+    if full or info.get("verified") != stat_key(shard):
         if info.get("sha256") != file_sha256(shard):
+            log.warning(
+                "%s: its sha256 differs from %s: extracting it again", shard, sidecar_path(shard).name
+            )
             return None
+        info.pop("damaged", None)
         info["verified"] = stat_key(shard)
         atomic_write_json(sidecar_path(shard), info)
     return info
+
+
+def mark_damaged(shard: Path, reason: str) -> bool:
+    """Record in the sidecar of `shard` that a reader found it damaged (`reason`) and drop its last
+    verification, so the next extraction run re-hashes it and extracts it again if its bytes differ
+    (a shard rotted in place keeps its size and mtime). False when the sidecar cannot be written (a
+    read-only store: then only `verify=full` finds it); True also when it has no sidecar (redone anyway)."""
+    info = read_sidecar(shard)
+    if info is None:
+        return True
+    info.pop("verified", None)
+    try:
+        atomic_write_json(sidecar_path(shard), {**info, "damaged": reason})
+    except OSError:
+        return False
+    return True
 
 
 def remove_store_files(out_dir: str | Path) -> None:

@@ -24,14 +24,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle_train.config.base import flatten, mismatches
 from eagle_train.config.train import TrainConfig
 from eagle_train.files import PARTIAL, FileFormatError, atomic_write_json, file_sha256, read_json
-from eagle_train.modeling.checkpoint import save_head
+from eagle_train.modeling.checkpoint import STATE_DIR, TRAINER_FILE, read_head_weights, save_head
+from eagle_train.modeling.target import error_reason
 
 CHECKPOINT_DIR = "checkpoints"
-STATE_DIR = "training_state"
-TRAINER_FILE = "trainer.json"
 DAMAGED_PREFIX = "damaged-"
 # Settings a resumed run may change: they decide what is shown, logged, evaluated or kept, or where
 # things are, never what is trained (the store and the target are identified by their contents).
@@ -197,6 +198,7 @@ def resume(accelerator, out_dir: Path, identity: dict[str, Any]) -> dict[str, An
         if damaged or (out_dir / "final").exists():
             raise CheckpointError(f"{out_dir} holds a run but no checkpoint that verifies: {start_over}")
         return None
+    identity = comparable_identity(accelerator, checkpoint, record.get("run", {}), identity)
     diffs = mismatches(record.get("run", {}), identity, labels=("checkpoint", "this run"))
     if diffs:
         raise CheckpointError(
@@ -207,12 +209,58 @@ def resume(accelerator, out_dir: Path, identity: dict[str, Any]) -> dict[str, An
         for moved in set_aside(out_dir, checkpoint):
             accelerator.print(f"WARNING: set aside as {moved}")
     accelerator.wait_for_everyone()
-    accelerator.load_state(str(checkpoint / STATE_DIR))
+    load_state(accelerator, checkpoint)
     accelerator.print(
         f"resumed from {checkpoint} at step {record['trainer']['step']}"
         + (f" (the {len(damaged)} newer ones are damaged)" if damaged else "")
     )
     return record["trainer"]
+
+
+def comparable_identity(
+    accelerator, checkpoint: Path, recorded: dict[str, Any], identity: dict[str, Any]
+) -> dict[str, Any]:
+    """This run's identity as a checkpoint written before `target.weight_files` was recorded can be
+    compared with: without it, and a warning that a change of the target's decoder layers cannot be
+    told (its config, embedding and LM head still are)."""
+    target = recorded.get("target")
+    if not isinstance(target, dict) or "weight_files" in target or "target" not in identity:
+        return identity
+    accelerator.print(
+        f"WARNING: {checkpoint} records no target.weight_files (written by an earlier eagle-train): "
+        "resuming without checking that the target's decoder layers are the same"
+    )
+    return {**identity, "target": {k: v for k, v in identity["target"].items() if k != "weight_files"}}
+
+
+def load_state(accelerator, checkpoint: Path) -> None:
+    """accelerate's `load_state` of the checkpoint's training state; a file it cannot load (a pickle
+    holding code, which torch's weights_only load refuses; a file cut short) is a CheckpointError naming
+    the file and the reason, not a traceback from deep inside torch."""
+    state_dir = checkpoint / STATE_DIR
+    try:
+        accelerator.load_state(str(state_dir))
+    except Exception as err:  # torch's UnpicklingError, RuntimeError, EOFError, safetensors' own error
+        file = unloadable_file(state_dir)
+        if file is None:  # every file loads alone: not a damaged file (e.g. out of memory)
+            raise
+        raise CheckpointError(
+            f"{file}: cannot be loaded ({error_reason(err)}): not a training state this trainer wrote. "
+            f"Move {checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
+        ) from None
+
+
+def unloadable_file(state_dir: Path) -> Path | None:
+    """The first file of a training state that a weights-only load refuses (None: none of them)."""
+    for file in sorted(state_dir.iterdir()):
+        try:
+            if file.suffix == ".safetensors":
+                read_head_weights(file)
+            elif file.suffix == ".bin":
+                torch.load(file, map_location="cpu", weights_only=True)
+        except Exception:  # whatever the load raises, this is the file
+            return file
+    return None
 
 
 def clear_run(out_dir: Path) -> None:

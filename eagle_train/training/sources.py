@@ -17,7 +17,8 @@ from eagle_train.store.reader import open_store as open_feature_store
 
 
 def checkpoint_identity(target: TargetParts, hf_config) -> dict[str, Any]:
-    """The target block of a head checkpoint's meta (evaluation compares the weight fingerprint)."""
+    """The target block of a head checkpoint's meta (evaluation compares the weight files and the
+    embedding / LM head fingerprint)."""
     return {
         "target": {
             "name": target.cfg.name,
@@ -25,6 +26,7 @@ def checkpoint_identity(target: TargetParts, hf_config) -> dict[str, Any]:
             "config_hash": target_config_hash(hf_config.to_dict()),
             "architectures": list(getattr(hf_config, "architectures", None) or []),
             "weights": target.weight_fingerprint,
+            "weight_files": target.weight_files,
         }
     }
 
@@ -36,6 +38,7 @@ def source_identity(target: TargetParts, hf_config, data: dict[str, Any]) -> dic
         "target": {
             "config_hash": target_config_hash(hf_config.to_dict()),
             "weights": target.weight_fingerprint,
+            "weight_files": target.weight_files,
         },
     }
 

@@ -8,7 +8,7 @@ import pytest
 
 from eagle_train.data.mix import main, mix_conversations, parse_source
 from eagle_train.data.sharegpt import DataError, load_sharegpt
-from eagle_train.files import file_sha256
+from eagle_train.files import OutputError, file_sha256
 from tests.conftest import DATA
 
 STORIES = DATA / "tinystories" / "tinystories_sharegpt.jsonl"  # JSONL, from/value, with replies
@@ -46,6 +46,17 @@ def test_an_id_used_twice_is_renamed_and_counted(tmp_path):
     assert summary["sources"][1]["fixes"] == {"duplicate_id_renamed": 2}
 
 
+def test_renamed_ids_stay_unique_across_sources(tmp_path):
+    """Issue 26.2: a later source holding `x_dup1` after `x` was renamed to it gets a fresh id."""
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x", "x")))
+    second.write_text("".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x_dup1", "x")))
+    mix_conversations(tmp_path / "mix.jsonl", [(str(first), None), (str(second), None)])
+    ids = [json.loads(line)["id"] for line in (tmp_path / "mix.jsonl").read_text().splitlines()]
+    assert ids == ["x", "x_dup1", "x_dup1_dup1", "x_dup2"]
+
+
 def test_bad_input_names_the_file_and_record_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
@@ -75,3 +86,32 @@ def test_the_command_line(tmp_path, capsys):
     assert "wrote 6 conversations" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="error: .*missing"):
         main([f"out={out}", f"source={tmp_path / 'missing.json'}"])
+
+
+def test_an_out_that_is_not_an_earlier_mix_is_refused_and_kept(tmp_path):
+    """Issue 26.3: `out=` an existing dataset was overwritten, `out=` a directory gave a raw
+    IsADirectoryError. Only an earlier mix, unchanged since, is replaced without overwrite=true."""
+    dataset = tmp_path / "mine.jsonl"
+    dataset.write_text(STORIES.read_text())
+    with pytest.raises(
+        OutputError, match=r"mine.jsonl: not written by eagle_train.data.mix .*overwrite=true"
+    ):
+        mix_conversations(dataset, [(str(PROMPTS), 2)])
+    assert dataset.read_text() == STORIES.read_text() and not (tmp_path / "mine.jsonl.stats.json").exists()
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(SystemExit, match=r"error: out=.*folder is a directory"):
+        main([f"out={tmp_path / 'folder'}", f"source={PROMPTS}:2", "overwrite=true"])
+
+    out = tmp_path / "mix.jsonl"
+    mix_conversations(out, [(str(PROMPTS), 2)])
+    mix_conversations(out, [(str(PROMPTS), 3)])  # an earlier mix: replaced
+    assert len(out.read_text().splitlines()) == 3
+    out.write_text(out.read_text() + out.read_text().splitlines()[0] + "\n")  # edited by hand
+    edited = out.read_text()
+    with pytest.raises(OutputError, match=r"mix.jsonl: changed since eagle_train.data.mix wrote it"):
+        mix_conversations(out, [(str(PROMPTS), 2)])
+    assert out.read_text() == edited
+    main([f"out={out}", f"source={PROMPTS}:2", "overwrite=true"])
+    assert len(out.read_text().splitlines()) == 2
+    main([f"out={dataset}", f"source={PROMPTS}:2", "overwrite=true"])
+    assert len(dataset.read_text().splitlines()) == 2

@@ -68,3 +68,11 @@ def test_unknown_bench_and_duplicates(tmp_path):
     path.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
     with pytest.raises(ValueError, match="duplicate question id"):
         load_questions(str(path))
+
+
+def test_a_latin1_prompt_file_is_one_line_naming_it(tmp_path):
+    """Issue 26.8: a Latin-1 encoded prompt file gave a raw UnicodeDecodeError naming no file."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "un caf\u00e9 au lait"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl: not UTF-8 text \(invalid continuation byte\)"):
+        load_questions(str(path))

@@ -129,6 +129,16 @@ def test_ids_generated_and_deduplicated(tmp_path):
     assert report.fixes == {"duplicate_id_renamed": 1}
 
 
+def test_a_renamed_id_never_collides_with_a_later_one(tmp_path):
+    """Issue 26.2: `x, x, x_dup1` used to give `x, x_dup1, x_dup1` (a conversation dropped by regenerate,
+    a store training refuses): every id of a file is unique by construction."""
+    ids = ["x", "x", "x_dup1", "x", "x_dup1"]
+    records = [conv(("human", "q"), ("gpt", "a"), id=i) for i in ids]
+    ds, report = load_sharegpt(write_jsonl(tmp_path / "dups.jsonl", records))
+    assert ds["id"] == ["x", "x_dup1", "x_dup1_dup1", "x_dup2", "x_dup1_dup2"]
+    assert report.fixes == {"duplicate_id_renamed": 4}
+
+
 def test_limit_counts_kept_conversations(tmp_path):
     records = [conv(("human", "q"), id="bad")] + [
         conv(("human", "q"), ("gpt", "a"), id=str(i)) for i in range(5)

@@ -4,6 +4,7 @@ as a full load, only the shards that hold them read, no decoder layer built."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -50,6 +51,17 @@ def no_decoder_builds(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
+def tensor_reads(monkeypatch) -> list:
+    """The files the checkpoint readers open from now on (safe_open, torch.load); the whole model may
+    not be built."""
+    opened = []
+    real_safe_open, real_load = frozen.safe_open, torch.load
+    monkeypatch.setattr(frozen, "safe_open", lambda f, **kw: opened.append(f) or real_safe_open(f, **kw))
+    monkeypatch.setattr(torch, "load", lambda f, **kw: opened.append(str(f)) or real_load(f, **kw))
+    no_decoder_builds(monkeypatch)
+    return opened
+
+
 @pytest.mark.parametrize("layout", ["safetensors", "pytorch"])
 def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
     sharded, tmp_path, layout, monkeypatch
@@ -57,11 +69,7 @@ def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
     path = sharded if layout == "safetensors" else as_pytorch_shards(sharded, tmp_path / "bin")
     cfg = TargetConfig(name="tiny", path=str(path), dtype="float32")
     full = load_target(cfg)
-    opened = []
-    real_safe_open, real_load = frozen.safe_open, torch.load
-    monkeypatch.setattr(frozen, "safe_open", lambda f, **kw: opened.append(f) or real_safe_open(f, **kw))
-    monkeypatch.setattr(torch, "load", lambda f, **kw: opened.append(str(f)) or real_load(f, **kw))
-    no_decoder_builds(monkeypatch)
+    opened = tensor_reads(monkeypatch)
     parts = load_frozen_target(cfg, norm=True)
     assert torch.equal(parts.embed_tokens.weight, full.embed_tokens.weight)
     assert torch.equal(parts.lm_head.weight, full.lm_head.weight)
@@ -72,6 +80,20 @@ def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
     index = json.loads(next(path.glob("*.index.json")).read_text())["weight_map"]
     needed = {index[k] for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")}
     assert {str(f).rsplit("/", 1)[-1] for f in opened} == needed < set(index.values())
+
+
+def test_the_weight_files_identity_reads_no_tensor(sharded, monkeypatch):
+    """Issue 26.1: the identity covers every weight file (decoder layers included) and offline training's
+    frozen parts compute it from the files' bytes alone: no tensor read, no decoder built."""
+    from eagle_train.files import file_sha256
+
+    cfg = TargetConfig(name="tiny", path=str(sharded), dtype="float32")
+    parts = load_frozen_target(cfg)
+    opened = tensor_reads(monkeypatch)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert len(files) > 2 and parts.weight_files == {f: file_sha256(sharded / f) for f in files}
+    assert opened == []
 
 
 def test_a_tied_lm_head_is_the_embedding_one_copy(target_cfg, target):
@@ -95,3 +117,35 @@ def test_a_checkpoint_without_the_lm_head_is_named(sharded, tmp_path):
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"'lm_head.weight' is not in its checkpoint"):
         load_frozen_target(TargetConfig(path=str(broken)))
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_damaged_or_forged_weight_file_is_one_line_naming_it(tmp_path):
+    """Issue 26.8: a target checkpoint cut short or holding a forged pickle gave safetensors' or torch's
+    raw error, naming no file; the pickle's code never runs."""
+    import pickle
+    import shutil
+
+    from tests.conftest import STORIES260K
+
+    model = shutil.copytree(STORIES260K, tmp_path / "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    cfg = TargetConfig(name="cut", path=str(model), dtype="float32")
+    with pytest.raises(CheckpointError, match=r"model/model.safetensors: cannot be read as a weight file"):
+        load_frozen_target(cfg)
+    with pytest.raises(ValueError, match=r"target .*/model: a weight file cannot be read \(SafetensorError"):
+        load_target(cfg)
+    weights.unlink()
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"model/pytorch_model.bin: cannot be read as a weight file"):
+        load_frozen_target(cfg)
+    with pytest.raises(
+        ValueError, match=r"a weight file cannot be read \(UnpicklingError: Weights only load"
+    ):
+        load_target(cfg)
+    assert not (tmp_path / "PWNED").exists() and not os.path.exists("PWNED")

@@ -203,3 +203,79 @@ def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_loses_nothing(tiny
     assert ckpt.newest_valid_checkpoint(out)[0].name == "step_0000004"
     run(make_cfg(tiny_store, out, *ARGS))
     assert steps(out) == ["step_0000002", "step_0000004", "step_0000006"]
+
+
+def test_a_rerun_of_a_finished_run_logs_its_final_evaluation_once(tiny_store, whole, tmp_path):
+    """Issue 26.7: every rerun of a finished run appended another final evaluation line."""
+    out = shutil.copytree(whole, tmp_path / "run")
+    before = (out / "metrics.jsonl").read_text()
+    final = run(make_cfg(tiny_store, out, *ARGS))
+    run(make_cfg(tiny_store, out, *ARGS))
+    assert (out / "metrics.jsonl").read_text() == before
+    finals = [m for m in read_metrics(out) if "eval/loss" in m]
+    assert [m["step"] for m in finals] == [6] and finals[0]["eval/loss"] == final["eval/loss"]
+
+
+def reseal(checkpoint: Path) -> None:
+    """Record every file's new sha256 in trainer.json and seal it again, as a forger would: only the load
+    itself can then tell."""
+    trainer = checkpoint / "training_state" / "trainer.json"
+    record = json.loads(trainer.read_text())
+    for name in record["files"]:
+        record["files"][name] = ckpt.file_sha256(checkpoint / name)
+    record.pop("sha256")
+    trainer.write_text(json.dumps({**record, "sha256": ckpt._seal(record)}))
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_forged_pickle_in_a_checkpoint_is_one_line_naming_it(tiny_store, stopped, tmp_path):
+    """Issue 26.8: a pickle with code in it in a resealed checkpoint was refused by torch's weights_only
+    load with a raw traceback naming no file; nothing of it ever runs."""
+    import pickle
+
+    out = shutil.copytree(stopped, tmp_path / "run")
+    step = out / "checkpoints" / "step_0000004"
+    (step / "training_state" / "optimizer.bin").write_bytes(pickle.dumps(Payload()))
+    reseal(step)
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"step_0000004/training_state/optimizer.bin: cannot be loaded \(UnpicklingError",
+    ) as err:
+        run(make_cfg(tiny_store, out, *ARGS))
+    assert "\n" not in str(err.value) and not (REPO_ROOT / "PWNED").exists() and not Path("PWNED").exists()
+
+
+def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(whole, tmp_path):
+    """Issue 26.5: a bit flipped in a step checkpoint's head: export refuses it, naming the file."""
+    from eagle_train.config.export import ExportConfig
+    from eagle_train.export import run as export
+
+    step = shutil.copytree(whole / "checkpoints" / "step_0000006", tmp_path / "step")
+    data = bytearray((step / "model.safetensors").read_bytes())
+    data[-40] ^= 0x01
+    (step / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"step/model.safetensors: its sha256 differs"):
+        export(ExportConfig(ckpt=str(step), out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_from_before_weight_files_were_recorded_resumes_with_a_warning(
+    tiny_store, stopped, whole, tmp_path, capsys
+):
+    """Issue 26.1: a checkpoint whose run identity has no target.weight_files (an earlier eagle-train)
+    still resumes, to the very weights of the uninterrupted run, saying what it cannot check."""
+    out = shutil.copytree(stopped, tmp_path / "run")
+    step = out / "checkpoints" / "step_0000004"
+    trainer = step / "training_state" / "trainer.json"
+    record = json.loads(trainer.read_text())
+    del record["run"]["target"]["weight_files"]
+    trainer.write_text(json.dumps(record))
+    reseal(step)
+    run(make_cfg(tiny_store, out, *ARGS))
+    printed = capsys.readouterr().out
+    assert "records no target.weight_files" in printed and "resumed from" in printed
+    assert same_weights(out, whole)
