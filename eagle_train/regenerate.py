@@ -52,7 +52,8 @@ from eagle_train.files import (
     read_json,
     remove_partial_files,
 )
-from eagle_train.modeling.target import Target, load_target
+from eagle_train.modeling.frozen import checkpoint_sha256
+from eagle_train.modeling.target import Target, load_target, target_source
 
 log = logging.getLogger(__name__)
 
@@ -231,11 +232,14 @@ def open_part(path: Path):
 
 def settings(cfg: RegenerateConfig, data_file: Path) -> dict:
     """What decides the replies: a rerun into the same `out` must match (batch sizes and process
-    counts do not: a batched greedy reply equals the one-at-a-time reply)."""
+    counts do not: a batched greedy reply equals the one-at-a-time reply). The target is its settings and
+    the sha256 of every weight file (modeling.frozen.checkpoint_sha256, cached): a fine-tune in place under
+    the same path would otherwise add its replies to the earlier model's."""
     target = {k: v for k, v in asdict(cfg.target).items() if k != "name"}
     data = {k: getattr(cfg.data, k) for k in ("limit", "max_len", "leading_assistant", "repeated_roles")}
     return {
         "target": target,
+        "target_weight_files": checkpoint_sha256(target_source(cfg.target), cfg.target.revision),
         "data": {"path": str(data_file), "sha256": file_sha256(data_file), **data},
         **{k: getattr(cfg, k) for k in ("turns", "max_new_tokens", "temperature", "top_p", "seed")},
     }
@@ -265,7 +269,12 @@ def check_output(out: Path, data_file: Path, wanted: dict, overwrite: bool) -> b
         if not stats.is_file():
             raise OutputError(f"{out}: not written by eagle_train.regenerate (no {stats.name} beside it)")
         recorded = read_json(stats, "regenerate settings")
-        diffs = mismatches(wanted, recorded.get("settings", {}) if isinstance(recorded, dict) else {})
+        recorded = recorded.get("settings", {}) if isinstance(recorded, dict) else {}
+        expected = dict(wanted)
+        if "target_weight_files" not in recorded:  # written before the weights were recorded
+            log.warning("%s: its target's weight files were not recorded; not checked", stats)
+            expected.pop("target_weight_files")
+        diffs = mismatches(expected, recorded)
         if diffs:
             raise OutputError(f"{out} was written with other settings: " + "; ".join(diffs))
 

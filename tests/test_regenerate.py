@@ -215,6 +215,29 @@ def test_an_out_that_is_not_this_commands_output_is_refused_and_kept(target_cfg,
     assert again["already_done"] == 0 and again["records"] == 6 and out.read_text() != first
 
 
+def test_a_rerun_after_the_targets_weights_changed_in_place_is_refused(target_cfg, tmp_path):
+    """A rerun after the target was fine-tuned in place (same path and settings, other decoder weights)
+    would add the new model's replies to the old one's: refused, naming the weight file; the output kept."""
+    import dataclasses
+    import shutil
+
+    from tests.conftest import STORIES260K, decoder_fine_tune
+
+    write_prompts(tmp_path / "p.jsonl", 4)
+    model = tmp_path / "model"
+    shutil.copytree(STORIES260K, model)
+    cfg = make_cfg(
+        dataclasses.replace(target_cfg, path=str(model)), tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    )
+    regen.run(cfg)
+    first = (tmp_path / "o.jsonl").read_text()
+    shutil.rmtree(model)
+    decoder_fine_tune(model)
+    with pytest.raises(regen.OutputError, match=r"other settings: target_weight_files.model.safetensors"):
+        regen.run(cfg)
+    assert (tmp_path / "o.jsonl").read_text() == first
+
+
 def test_a_planted_symlink_part_file_is_never_followed(target_cfg, tmp_path):
     """16.11: `<out>.part0` planted as a link to another file: refused, that file untouched."""
     write_prompts(tmp_path / "p.jsonl", 3)
