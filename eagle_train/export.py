@@ -4,11 +4,11 @@
     python -m eagle_train.export ckpt=runs/<run>/final format=speculators speculative_tokens=3 out=...  (EAGLE-3)
 
 The output directory (config.json + model.safetensors, or pytorch_model.bin for format=eagle) is
-written atomically under an exclusive lock (eagle_train.lock); a non-empty directory that is not an
-earlier export of the same format is refused unless `overwrite=true`, and nothing but this layout's own
+written atomically under an exclusive lock (eagle_train.runtime.output_lock); a non-empty directory that
+is not an earlier export of the same format is refused unless `overwrite=true`, and nothing but this layout's own
 files is ever deleted. config.json carries the target's id and the training maximum length in its
 `eagle_train` block, and no local path (a hub id is kept). Layout details and the loaders they were
-checked against: eagle_train/modeling/interop.py.
+checked against: eagle_train/interop/layouts.py.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import json
 import logging
 from pathlib import Path
 
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import remove_partial_files
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
-from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
-from eagle_train.modeling.reexpress import widen_head
+from eagle_train.interop.layouts import export_head, load_input_embedding, recorded_target
+from eagle_train.interop.reexpress import widen_head
+from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.target import torch_dtype
+from eagle_train.runtime.atomic_files import remove_partial_files
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ straight into the shard file (written in a background thread while the next batc
 extraction resumes. The output directory is prepared (and a different store refused) when the first
 shard is cut, so bad input found before that (the first 256 conversations are read before any shard)
 writes nothing; bad input found later stops the run naming the record, with no manifest written. After a barrier the main process
-writes the one manifest.json. The output is locked (eagle_train.lock). See `eagle_train.store`.
+writes the one manifest.json. The output is locked (eagle_train.runtime.output_lock). See `eagle_train.store`.
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from eagle_train.cli import on_main, stage_lock, stage_main
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches
 from eagle_train.data.render import ChatRenderer, tokenize_stream
 from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, stream_conversations
 from eagle_train.engines.vllm_features import VllmFeatures
-from eagle_train.entry import on_main, stage_lock, stage_main
-from eagle_train.files import file_sha256
 from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.target import Target, load_target, load_target_config
+from eagle_train.runtime.atomic_files import file_sha256
 from eagle_train.store.codec import storage
 from eagle_train.store.manifest import MANIFEST_NAME, feature_widths, store_hash, store_identity
 from eagle_train.store.shard import Fill, Put

@@ -2,7 +2,7 @@
 
 Runs the experiment preset's stages (prepare, mix, regenerate, extract, train, evaluate) in order, each as
 a subprocess (`python -m eagle_train.<stage> OVERRIDES...`: stage modules are never imported here), all
-writing under one run directory (locked: eagle_train.lock). When a stage finishes, its record
+writing under one run directory (locked: eagle_train.runtime.output_lock). When a stage finishes, its record
 `<run_dir>/.stages/<stage>.json` keeps the hash of its command, the sha256 of its outputs and of its
 inputs (the outputs of the stages before it). A rerun skips a stage only when that record says it
 finished with the same command and the same inputs and its outputs are unchanged; a stage killed
@@ -24,9 +24,15 @@ import sys
 import time
 from pathlib import Path
 
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import FileFormatError, atomic_write_json, file_sha256, read_json, remove_partial_files
+from eagle_train.runtime.atomic_files import (
+    FileFormatError,
+    atomic_write_json,
+    file_sha256,
+    read_json,
+    remove_partial_files,
+)
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:

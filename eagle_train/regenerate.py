@@ -18,7 +18,8 @@ through a symlink); at the end the main process merges the parts with any existi
 order and replaces `<out>` atomically. A rerun drops a torn trailing line and skips every id already
 written, so nothing is duplicated or truncated. `out` is refused when it is the input file, or when it
 (or a part file) exists but is not this command's output: lines that are not this stage's records, no
-stats file, or other settings (`overwrite=true` starts it over). The output is locked (eagle_train.lock).
+stats file, or other settings (`overwrite=true` starts it over). The output is locked
+(eagle_train.runtime.output_lock).
 Several processes: `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m
 eagle_train.regenerate ...` (or plain `accelerate launch` on GPUs).
 """
@@ -38,12 +39,13 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.base import mismatches, resolve_path
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import SHAREGPT_ROLES, check_data_file, load_conversations
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import (
+from eagle_train.modeling.target import Target, load_target
+from eagle_train.runtime.atomic_files import (
     FileFormatError,
     atomic_write_json,
     atomic_write_lines,
@@ -51,7 +53,6 @@ from eagle_train.files import (
     read_json,
     remove_partial_files,
 )
-from eagle_train.modeling.target import Target, load_target
 
 log = logging.getLogger(__name__)
 

@@ -107,7 +107,7 @@ def reseal(store: Path, index: int) -> None:
     manifest, as a writer with a bug (or an attacker) would, so only the content checks can catch it."""
     import json
 
-    from eagle_train.files import file_sha256
+    from eagle_train.runtime.atomic_files import file_sha256
     from eagle_train.store.manifest import MANIFEST_NAME
     from eagle_train.store.writer import shard_name
 

@@ -8,8 +8,8 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
+from eagle_train.cli import SCHEMAS, compose
 from eagle_train.config.base import CONF_DIR, to_schema
-from eagle_train.entry import SCHEMAS, compose
 
 # Values a user must give on the command line (no sensible default).
 REQUIRED = {

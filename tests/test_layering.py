@@ -2,17 +2,17 @@
 
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
-  0 foundation   config/*, files, lock, allocator        stdlib, omegaconf
-  1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
-                 data/jsonl, data/templates
-                                                         + torch, numpy (report: matplotlib)
-  2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
-                 importers besides stages), store/* (the feature store), engines/* (a serving engine in
-                 its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
+  0 foundation   config/*, runtime/*                     stdlib, omegaconf
+  1 pure cores   training/loss, training/metrics, training/ttt, modeling/logit_transform,
+                 modeling/draft_vocab, decoding/*, autotune/*, report/*, data/batching, data/jsonl,
+                 data/templates                          + torch, numpy (report: matplotlib)
+  2 adapters     modeling/* and interop/* (the only transformers importers), the rest of data/* (the only
+                 datasets importers besides stages), store/* (the feature store), engines/* (a serving engine
+                 in its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
                  engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)   + safetensors
-  3 stage pieces training/*, checks                     torch only (accelerate objects come in as arguments)
-  4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
-                 importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
+  3 stage pieces the rest of training/*, diagnostics/*   torch only (accelerate objects come in as arguments)
+  4 stages       extract, train, evaluate, regenerate, export, pipeline, cli (the Hydra edge): the only
+                 importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `cli`.
 """
 
 from __future__ import annotations
@@ -28,29 +28,26 @@ STAGES = {"extract", "train", "evaluate", "regenerate", "export", "pipeline"}
 # module (or package prefix) -> layer; the first matching prefix wins, so list specific names first
 LAYERS: list[tuple[str, int]] = [
     ("config", 0),
-    ("files", 0),
-    ("lock", 0),
-    ("allocator", 0),
-    ("loss", 1),
-    ("logits", 1),
-    ("metrics", 1),
-    ("kv_cache", 1),
-    ("unroll", 1),
-    ("vocab", 1),
+    ("runtime", 0),
+    ("training.loss", 1),
+    ("training.metrics", 1),
+    ("training.ttt", 1),
+    ("modeling.logit_transform", 1),
+    ("modeling.draft_vocab", 1),
     ("decoding", 1),
-    ("report_engines", 1),
-    ("report_shapes", 1),
+    ("autotune", 1),
     ("report", 1),
     ("data.batching", 1),
     ("data.jsonl", 1),
     ("data.templates", 1),
     ("data", 2),
     ("modeling", 2),
+    ("interop", 2),
     ("engines", 2),
     ("store", 2),
     ("training", 3),
-    ("checks", 3),
-    ("entry", 4),
+    ("diagnostics", 3),
+    ("cli", 4),
     *((stage, 4) for stage in sorted(STAGES)),
 ]
 THIRD_PARTY = {
@@ -62,11 +59,10 @@ THIRD_PARTY = {
 }
 EXTRA = {
     "report": {"matplotlib"},
-    "report_engines": {"matplotlib"},
-    "report_shapes": {"matplotlib"},
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},
+    "interop": {"transformers"},
     "data": {"datasets"},
     "extract": {"datasets"},
 }
@@ -128,7 +124,7 @@ def test_imports_point_down(module):
             assert target_layer is not None and target_layer <= own, (
                 f"eagle_train.{module} (layer {own}) imports {imp} (layer {target_layer}): imports point down only"
             )
-            if target == "entry":
+            if target == "cli":
                 assert module in STAGES, (
                     f"only stage modules use the Hydra edge; eagle_train.{module} imports it"
                 )

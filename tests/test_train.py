@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
-from eagle_train.entry import compose
-from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.store.manifest import StoreError, StoreMismatchError
 from eagle_train.store.shard import ShardFile
 from eagle_train.store.writer import shard_name

@@ -24,14 +24,14 @@ class DecodeConfig:
         "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
     )
     # auto: the chain length and the EAGLE-2 depth / top_k / total_tokens that decode fastest here, chosen
-    # from measured costs and acceptance (eagle_train.decoding.shapes; the evaluate stage resolves it before
+    # from measured costs and acceptance (eagle_train.autotune.shapes; the evaluate stage resolves it before
     # decoding); a method whose fields are set away from their defaults keeps them (decode.depth=3: EAGLE-2
     # fixed, the chain still chosen) | fixed: chain_length, depth, top_k, total_tokens as given
     shape: str = "fixed"
     chain_length: int = 4  # chain: draft tokens per round
     # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path), or auto: mc_sim_7b_63 plus the draft's
     # top-1 chain (and its second-best children) to depth 9, pruned to the nodes accepted most often, as many
-    # as decode fastest here (eagle_train.decoding.shapes, resolved by the evaluate stage)
+    # as decode fastest here (eagle_train.autotune.shapes, resolved by the evaluate stage)
     tree: str = "mc_sim_7b_63"
     tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
     depth: int = 5  # eagle2: draft forwards per round after the first (tree depth = depth + 1)

@@ -32,7 +32,7 @@ class ExportConfig:
     # Where format=eagle reads the target's input embedding (the reference loads it from the head's file);
     # null = the target source the checkpoint records.
     target_path: str | None = None
-    # Re-express the head exactly with this larger head_dim (eagle_train.modeling.reexpress), for a target
+    # Re-express the head exactly with this larger head_dim (eagle_train.interop.reexpress), for a target
     # re-expressed the same way (vLLM's CPU attention needs 32+); null = keep the head's own.
     head_dim: int | None = None
     speculative_tokens: int = 3  # format=speculators: K, the draft tokens vLLM proposes per step

@@ -157,7 +157,7 @@ class TrainConfig:
     eval_engine_max_new_tokens: int = 64  # tokens generated per prompt
     eval_engine_python: str | None = None  # vLLM's python (null = .venv-vllm/bin/python, `make vllm-env`)
     # the model vLLM loads as the target (null = target.path); e.g. a head_dim-32 re-expression of a target
-    # whose head_dim vLLM's CPU attention refuses (python -m eagle_train.modeling.reexpress)
+    # whose head_dim vLLM's CPU attention refuses (python -m eagle_train.interop.reexpress)
     eval_engine_target: str | None = None
     wandb: bool = False  # also log to wandb (accelerate tracker; WANDB_MODE=offline unless set)
     wandb_project: str = "eagle-train"  # wandb project name

@@ -32,7 +32,7 @@ from eagle_train.data.sharegpt import (
     iter_conversations,
     unique_id,
 )
-from eagle_train.files import atomic_write_json, atomic_write_lines, file_sha256
+from eagle_train.runtime.atomic_files import atomic_write_json, atomic_write_lines, file_sha256
 
 
 def parse_source(spec: str) -> tuple[str, int | None]:

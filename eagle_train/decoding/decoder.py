@@ -39,10 +39,10 @@ import torch
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
+from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.decoding.stats import GenerationStats, Stopwatch
 from eagle_train.decoding.tree import Tree, chain_paths, shape_from_paths
 from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
-from eagle_train.kv_cache import StaticKVCache
 
 
 class TargetModel(Protocol):
@@ -143,7 +143,7 @@ class SpeculativeDecoder:
         if cfg.method in cfg.auto_methods:
             raise ValueError(
                 f"decode.shape=auto / decode.tree=auto: {cfg.method}'s shape is chosen from measured costs "
-                "before decoding (eagle_train.decoding.shapes.tune_shapes, as the evaluate stage does); give "
+                "before decoding (eagle_train.autotune.shapes.tune_shapes, as the evaluate stage does); give "
                 "the decoder the chosen fields, or decode.shape=fixed / decode.tree=NAME"
             )
         self.target, self.head, self.cfg = target, head, cfg

@@ -17,8 +17,8 @@ import time
 import torch
 
 from eagle_train.decoding import lean_draft
+from eagle_train.decoding.kv_cache import StaticKVCache, attention_shape
 from eagle_train.decoding.stats import GenerationStats
-from eagle_train.kv_cache import StaticKVCache, attention_shape
 
 
 class Drafter:
@@ -94,7 +94,7 @@ class Drafter:
 
     def rewind(self, committed: int) -> None:
         """Forget the committed pairs after the first `committed` (and any tree): a cost measurement
-        times one catch-up again and again at the same position (decoding.costs)."""
+        times one catch-up again and again at the same position (autotune.costs)."""
         self.drop_tree()
         self.committed = committed
         self.cache.crop(committed)

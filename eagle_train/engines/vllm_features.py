@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from eagle_train.config.extract import VllmExtractConfig
 from eagle_train.engines.vllm_engine import EngineError, engine_python, failure_reason
-from eagle_train.files import partial_prefix
+from eagle_train.runtime.atomic_files import partial_prefix
 from eagle_train.store.manifest import feature_widths
 from eagle_train.store.shard import Fill
 

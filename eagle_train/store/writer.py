@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from eagle_train.config.base import mismatches
-from eagle_train.files import (
+from eagle_train.runtime.atomic_files import (
     FileFormatError,
     atomic_path,
     atomic_write_json,

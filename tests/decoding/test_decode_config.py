@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from eagle_train.cli import compose
 from eagle_train.config import to_schema
 from eagle_train.config.base import CONF_DIR
 from eagle_train.config.decode import DecodeConfig, load_tree_paths
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.decoding.tree import shape_from_paths
-from eagle_train.entry import compose
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml")))
