@@ -5,7 +5,7 @@ Each stage's dataclass schema (eagle_train.config) is registered in Hydra's Conf
 default and its one-line docs, the YAML holds real overrides only, and a command-line key is checked
 against the schema (`target.revision=main` works without `+`; a misspelt key fails before anything
 runs). Hydra never changes the working directory and writes no output directory of its own
-(`conf/hydra/eagle.yaml`), so under `accelerate launch` every process agrees on `out_dir`.
+(`conf/base/hydra.yaml`), so under `accelerate launch` every process agrees on `out_dir`.
 
 `stage_lock` is every writing stage's exclusive lock on its output (eagle_train.runtime.output_lock), made
 to work under `accelerate launch`: the main process takes it and every process learns the outcome.
@@ -13,6 +13,7 @@ to work under `accelerate launch`: the main process takes it and every process l
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.config.base import CONF_DIR, renamed_overrides, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.config.extract import ExtractConfig
@@ -55,11 +56,16 @@ register_schemas()
 
 
 def stage_main(stage: str, run: Callable[[Any], Any]) -> Callable[[], None]:
-    """The `main()` of a stage module: parse the command line with Hydra, call `run(typed_config)`."""
+    """The `main()` of a stage module: parse the command line with Hydra (renamed keys under their new
+    names, eagle_train.config.base.RENAMED_KEYS), call `run(typed_config)`."""
 
     @hydra.main(config_path=str(CONF_DIR), config_name=stage, version_base="1.3")
-    def main(cfg: DictConfig) -> None:
+    def hydra_main(cfg: DictConfig) -> None:
         run(to_schema(cfg, SCHEMAS[stage]))
+
+    def main() -> None:
+        sys.argv[1:] = renamed_overrides(stage, sys.argv[1:])
+        hydra_main()
 
     return main
 
@@ -67,7 +73,7 @@ def stage_main(stage: str, run: Callable[[Any], Any]) -> Callable[[], None]:
 def compose(stage: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The DictConfig a stage would see for these command-line overrides (tests, scripts)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=stage, overrides=list(overrides))
+        return hydra_compose(config_name=stage, overrides=renamed_overrides(stage, overrides))
 
 
 def on_main(accelerator, fn: Callable[[], Any]) -> Any:

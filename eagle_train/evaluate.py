@@ -96,8 +96,8 @@ def tune_bench(
     held-out questions (the ones after the first num_questions; the first ones when none are left), with
     the cost curves cached under out_dir/costs (eagle_train.autotune.shapes.tune_shapes). None when no
     evaluated method is auto."""
-    # engine=vllm compares vLLM's chain of decode.chain_length with the built-in chain: that one stays as given
-    auto = [m for m in cfg.decode.auto_methods if m in cfg.methods and (m, cfg.engine) != ("chain", "vllm")]
+    # (engine=vllm compares vLLM's chain of decode.chain_length with the built-in one: EvaluateConfig pins it)
+    auto = [m for m in cfg.decode.auto_methods if m in cfg.methods]
     if not auto:
         return None
     questions = load_questions(bench, None, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_train.config.decode import METHODS, DecodeConfig
+from eagle_train.config.decode import METHODS, SHAPE_DEFAULTS, DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
@@ -87,6 +87,8 @@ class EvaluateConfig:
             self.engine != "builtin"
         ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
+            if self.decode.chain_length is None:  # vLLM's chain is as given (its default), never tuned
+                self.decode.chain_length = SHAPE_DEFAULTS["chain"]["chain_length"]
         if self.tune_prompts < 1 or self.tune_tokens < 2 or self.tune_race < 0:
             raise ValueError("tune_prompts must be >= 1, tune_tokens >= 2 and tune_race >= 0")
         if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:

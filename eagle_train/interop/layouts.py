@@ -44,6 +44,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from eagle_train.decoding.kv_cache import attention_shape
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_finite
+from eagle_train.modeling.target import DTYPE_NAMES
 from eagle_train.runtime.atomic_files import atomic_write_dir, atomic_write_into, read_json
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,6 @@ CONFIG_FIELDS = (
     "attention_bias",
     "mlp_bias",
 )
-TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 LAYOUT_FILES = {
     "vllm": (CONFIG_NAME, WEIGHTS_NAME),
     "sglang": (CONFIG_NAME, WEIGHTS_NAME),
@@ -106,8 +106,8 @@ def llama_config_dict(head: DraftHead, dtype: torch.dtype) -> dict[str, Any]:
         num_hidden_layers=int(head.config.num_hidden_layers),
         tie_word_embeddings=False,
         use_cache=True,
-        torch_dtype=TORCH_DTYPE_NAMES[dtype],
-        dtype=TORCH_DTYPE_NAMES[dtype],
+        torch_dtype=DTYPE_NAMES[dtype],
+        dtype=DTYPE_NAMES[dtype],
     )
     return config
 

@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from eagle_train.config.base import resolve_path
-from eagle_train.config.target import TargetConfig, resolve_aux_layers
+from eagle_train.config.target import FLOAT_DTYPES, TargetConfig, resolve_aux_layers
 from eagle_train.decoding.kv_cache import StaticKVCache, attention_shape
 from eagle_train.modeling.logit_transform import LogitTransform
 
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 # Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
 # its ancestors). flash_attention_2 reads a 4-D mask as a 2-D padding mask; the rest are not checked.
 DECODE_ATTENTION = ("eager", "sdpa")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}  # config name -> torch dtype
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # and back (config.json)
 # Config fields of the logit processing a ForCausalLM applies after its LM head
 # (see eagle_train.modeling.logit_transform).
 LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")

@@ -23,9 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from eagle_train.config.train import NOISE_MODES
 from eagle_train.modeling.logit_transform import LogitTransform
-
-NOISE_MODES = ("uniform", "length_scaled", "none")
 
 
 def shift_batch(
