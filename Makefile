@@ -71,7 +71,7 @@ train: setup ## Train the draft head: ARGS="features=DIR out_dir=DIR [+recipe=st
 eval: setup ## Evaluate a head: tau, acceptance, speedup, greedy identity, plots (ARGS="draft.path=DIR bench=mt_bench")
 	$(PY) -m eagle_train.evaluate $(ARGS)
 
-export: setup ## Export a trained head for a server: ARGS="ckpt=DIR format=vllm|sglang|eagle out=DIR"
+export: setup ## Export a trained head for a server: ARGS="ckpt=DIR format=vllm|sglang|eagle out_dir=DIR"
 	$(PY) -m eagle_train.export $(ARGS)
 
 bench: setup ## Run every benchmark script (figures printed and saved under bench_results/)

@@ -26,25 +26,25 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eagle_train.autotune.costs import choose_threads
+from eagle_train.autotune.shapes import tune_shapes
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.decode import AUTO_TREE_BASE, load_tree_paths
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
-from eagle_train.decoding.costs import choose_threads
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.identity import check_against_model, classify_answer
-from eagle_train.decoding.shapes import tune_shapes
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import atomic_write_lines, read_json, remove_partial_files
+from eagle_train.interop.layouts import export_head, load_draft, other_target
+from eagle_train.interop.reexpress import widen_head
 from eagle_train.modeling.hf_generate import HFGenerate
-from eagle_train.modeling.interop import export_head, load_draft, other_target
-from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import Target, load_target
-from eagle_train.report import BASELINE, markdown_table, summarize, write_report
-from eagle_train.report_engines import engine_section
-from eagle_train.report_shapes import shape_section
+from eagle_train.report.engine_section import engine_section
+from eagle_train.report.results import BASELINE, markdown_table, summarize, write_report
+from eagle_train.report.shape_section import shape_section
+from eagle_train.runtime.atomic_files import atomic_write_lines, read_json, remove_partial_files
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,10 @@ def tune_bench(
 ) -> dict | None:
     """decode.shape=auto: the fastest predicted shape of each auto method on this benchmark, calibrated on
     held-out questions (the ones after the first num_questions; the first ones when none are left), with
-    the cost curves cached under out_dir/costs (eagle_train.decoding.shapes.tune_shapes). None when no
+    the cost curves cached under out_dir/costs (eagle_train.autotune.shapes.tune_shapes). None when no
     evaluated method is auto."""
-    # engine=vllm compares vLLM's chain of decode.chain_length with the built-in chain: that one stays as given
-    auto = [m for m in cfg.decode.auto_methods if m in cfg.methods and (m, cfg.engine) != ("chain", "vllm")]
+    # (engine=vllm compares vLLM's chain of decode.chain_length with the built-in one: EvaluateConfig pins it)
+    auto = [m for m in cfg.decode.auto_methods if m in cfg.methods]
     if not auto:
         return None
     questions = load_questions(bench, None, 1)
@@ -294,7 +294,7 @@ def write_answers(records: list[dict], path: Path) -> None:
 
 def export_for_vllm(head, target: Target, out: Path) -> Path:
     """The head in vLLM's layout, re-expressed with the target's head_dim when the target was
-    (eagle_train.modeling.reexpress: vLLM's CPU attention needs 32+)."""
+    (eagle_train.interop.reexpress: vLLM's CPU attention needs 32+)."""
     target_head_dim = int(
         getattr(target.config, "head_dim", None) or target.hidden_size // target.config.num_attention_heads
     )
@@ -351,7 +351,7 @@ def run_engine(
 
 
 def draft_notes(cfg: EvaluateConfig, target: Target) -> list[str]:
-    """A report warning when the head was trained for another target (eagle_train.modeling.interop)."""
+    """A report warning when the head was trained for another target (eagle_train.interop.layouts)."""
     config = Path(cfg.draft.path or "") / "config.json"
     if not cfg.draft.path or not config.is_file():
         return []
@@ -388,7 +388,7 @@ def run_meta(cfg: EvaluateConfig, target: Target, device: torch.device, seconds:
 
 def pick_threads(cfg: EvaluateConfig, target: Target) -> str:
     """num_threads=null on a CPU: the faster of one thread and torch's default for the target's forwards,
-    measured (eagle_train.decoding.costs.choose_threads); returns how the thread count was set."""
+    measured (eagle_train.autotune.costs.choose_threads); returns how the thread count was set."""
     if cfg.num_threads:
         return f"{cfg.num_threads} (num_threads)"
     default = torch.get_num_threads()
@@ -413,7 +413,7 @@ def attention_meta(target: Target) -> str:
 
 def run(cfg: EvaluateConfig) -> dict:
     """Evaluate the head on every benchmark with every method; write answers, report and plots (under an
-    exclusive lock on out_dir, eagle_train.lock)."""
+    exclusive lock on out_dir, eagle_train.runtime.output_lock)."""
     with stage_lock(cfg.out_dir, "evaluate"):
         if Path(cfg.out_dir).is_dir():  # what a killed run's writes left (its own files only)
             for name in ("answers.jsonl", "engine_answers.jsonl", "report.json", "report.md", "*.png"):

@@ -1,14 +1,14 @@
 """Stage: export a trained head to the layout vLLM, SGLang or the EAGLE reference loads.
 
-    python -m eagle_train.export ckpt=runs/<run>/head format=vllm out=exports/<name>
-    python -m eagle_train.export ckpt=runs/<run>/final format=speculators speculative_tokens=3 out=...  (EAGLE-3)
+    python -m eagle_train.export ckpt=runs/<run>/train/final format=vllm out_dir=exports/<name>
+    python -m eagle_train.export ckpt=... format=speculators speculative_tokens=3 out_dir=...  (EAGLE-3)
 
 The output directory (config.json + model.safetensors, or pytorch_model.bin for format=eagle) is
-written atomically under an exclusive lock (eagle_train.lock); a non-empty directory that is not an
-earlier export of the same format is refused unless `overwrite=true`, and nothing but this layout's own
+written atomically under an exclusive lock (eagle_train.runtime.output_lock); a non-empty directory that
+is not an earlier export of the same format is refused unless `overwrite=true`, and nothing but this layout's own
 files is ever deleted. config.json carries the target's id and the training maximum length in its
 `eagle_train` block, and no local path (a hub id is kept). Layout details and the loaders they were
-checked against: eagle_train/modeling/interop.py.
+checked against: eagle_train/interop/layouts.py.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import json
 import logging
 from pathlib import Path
 
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import remove_partial_files
-from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
-from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
-from eagle_train.modeling.reexpress import widen_head
+from eagle_train.interop.layouts import export_head, load_input_embedding, recorded_target
+from eagle_train.interop.reexpress import widen_head
+from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.target import torch_dtype
+from eagle_train.runtime.atomic_files import remove_partial_files
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ def local_path(source: str) -> bool:
 
 
 def run(cfg: ExportConfig) -> Path:
-    """Export `cfg.ckpt` to `cfg.out` in `cfg.format`; returns the output directory."""
-    if not cfg.out:
-        raise ValueError("export: set out=DIR (the directory to write)")
+    """Export `cfg.ckpt` to `cfg.out_dir` in `cfg.format`; returns the output directory."""
+    if not cfg.out_dir:
+        raise ValueError("export: set out_dir=DIR (the directory to write)")
     ckpt = checkpoint_dir(cfg.ckpt)
     head, recorded = load_head(ckpt)
     meta = export_meta(recorded, cfg, ckpt)
@@ -107,7 +107,7 @@ def run(cfg: ExportConfig) -> Path:
         if not source:
             raise ValueError(f"export format=eagle: {ckpt} records no target source; set target_path=...")
         embed = load_input_embedding(resolve_path(source) or source)
-    out_dir = resolve_path(cfg.out) or Path(cfg.out)
+    out_dir = resolve_path(cfg.out_dir) or Path(cfg.out_dir)
     with stage_lock(out_dir, "export"):
         if out_dir.parent.is_dir():
             remove_partial_files(out_dir.parent, out_dir.name)  # a killed export's temporary directory

@@ -7,26 +7,27 @@
     python -m eagle_train.extract target.device_map=auto ...   (one target spread over a node's GPUs)
 
 The data file is streamed: records are read, cleaned and tokenized in batches as they come, and a shard
-is cut as soon as it is full (`store.shard_closes`, a pure function of the token counts and the shard
-size), so memory holds one shard's token ids and one batch's hidden states whatever the file's size,
-and the first shard is written after reading only its own conversations. Every process streams the
-data the same way and so cuts the same shards; process r extracts shards r, r + P, r + 2P, ... Within a
-shard, conversations are batched by length and right-padded (a causal decoder's real tokens never see
-the padding, so no mask is needed; only real tokens are stored), and each batch's hidden states go
-straight into the shard file (written in a background thread while the next batch runs). A shard with a
-valid sidecar is kept by a rerun, so an interrupted extraction resumes; a kept shard is re-hashed when its
-file changed, when training found it damaged, or with `verify=full`, and extracted again if its bytes differ
-(store.writer.completed_shard). The output directory is prepared (and a different store refused) when the
-first shard is cut, so bad input found before that (the first 256 conversations are read before any shard)
-writes nothing; bad input found later stops the run naming the record, with no manifest written. After a
-barrier the main process writes the one manifest.json (atomically: a complete store keeps its manifest until a
-shard is written again). The output is locked (eagle_train.lock). See
-`eagle_train.store`.
+is cut as soon as it is full (`store.writer.stream_shards`, the one shard planner: a pure function of
+the token counts and the shard size), so memory holds one shard's token ids and one batch's hidden
+states whatever the file's size, and the first shard is written after reading only its own
+conversations. Every process streams the data the same way and so cuts the same shards; process r
+extracts shards r, r + P, r + 2P, ... The loop is here, in `write_shard`: the features come batch by
+batch from the backend (`batches(rows)`: here conversations batched by length and right-padded, a
+causal decoder's real tokens never see the padding, so no mask is needed) and are pushed into the
+shard (`store.writer.ShardWriter.put`: only real tokens are stored, straight into the file), each batch
+written in a background thread while the next one runs. A shard with a valid sidecar is kept by a
+rerun, so an interrupted extraction resumes; a kept shard is re-hashed when its file changed, when
+training found it damaged, or with `verify=full`, and extracted again if its bytes differ
+(store.writer.completed_shard). The output directory is prepared (and a different store
+refused) when the first shard is cut, so bad input found before that (the first 256 conversations are
+read before any shard) writes nothing; bad input found later stops the run naming the record, with no
+manifest written. After a barrier the main process writes the one manifest.json (atomically: a complete store keeps its
+manifest until a shard is written again). The output is locked
+(eagle_train.runtime.output_lock). See `eagle_train.store`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,25 +40,24 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from eagle_train.cli import on_main, stage_lock, stage_main
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches
 from eagle_train.data.render import ChatRenderer, tokenize_stream
 from eagle_train.data.sharegpt import DataError, DropReport, check_data_file, stream_conversations
 from eagle_train.engines.vllm_features import VllmFeatures
-from eagle_train.entry import on_main, stage_lock, stage_main
-from eagle_train.files import file_sha256
 from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.target import Target, load_target, load_target_config
+from eagle_train.runtime.atomic_files import file_sha256
 from eagle_train.store.codec import storage
 from eagle_train.store.manifest import MANIFEST_NAME, feature_widths, store_hash, store_identity
-from eagle_train.store.shard import Fill, Put
 from eagle_train.store.writer import (
+    ShardWriter,
     completed_shard,
     prepare_out_dir,
-    shard_closes,
+    stream_shards,
     write_manifest,
-    write_shard,
 )
 
 log = logging.getLogger(__name__)
@@ -76,75 +76,38 @@ def data_source(cfg: DataConfig) -> dict[str, Any]:
     }
 
 
-def stream_shards(
-    rows: Iterable[dict[str, Any]], bytes_per_token: int, shard_samples: int | None, shard_bytes: int
-) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
-    """(start, stop, rows) of each shard as soon as it is full: `store.plan_shards` over a stream."""
-    start, size, pending = 0, 0, []
-    for row in rows:
-        nbytes = len(row["input_ids"]) * bytes_per_token
-        if shard_closes(len(pending), size, nbytes, shard_samples, shard_bytes):
-            yield start, start + len(pending), pending
-            start, size, pending = start + len(pending), 0, []
-        pending.append(row)
-        size += nbytes
-    if pending:
-        yield start, start + len(pending), pending
-
-
-def extract_rows(
+def feature_batches(
     target: Target,
     rows: Sequence[dict[str, Any]],
     max_tokens: int,
     max_batch_size: int,
-    put: Put,
     dtype: torch.dtype | None = None,
     attention_mask: bool = False,
-    on_batch: Callable[[int, int], None] | None = None,
     aux_layers: list[int] | None = None,
-) -> None:
-    """Features of a slice of tokenized conversations: `put(i, hidden [L_i, hidden])` (with `aux_layers`
-    also aux=[L_i, 3 * hidden], the inputs of those layers) on the CPU for each row i, one
-    length-bucketed batch at a time (in batch order, not row order), cast to `dtype` on the device first
-    (None: as the target computes them, e.g. for fp8, which the shard writer encodes).
-
-    rows: dicts with input_ids. Conversations are batched by length and right-padded; only the real
-    tokens' hidden states are kept. One batch is written (in a background thread) while the next one
-    runs, so the target does not wait for the disk. `on_batch(conversations, tokens)` is called after
-    each forward. `attention_mask` passes the (unneeded) padding mask anyway: the benchmark's comparison.
-    """
+) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """The features of a slice of tokenized conversations (dicts with input_ids), one length-bucketed
+    batch at a time: (row indices, hidden [b, T, hidden], aux [b, T, 3 * hidden] or None) on the CPU, row
+    k right-padded after its own tokens; aux: with `aux_layers`, the inputs of those layers. Cast to
+    `dtype` on the device first (None: as the target computes them, e.g. for fp8, which the shard writer
+    encodes). `attention_mask` passes the (unneeded) padding mask anyway: the benchmark's comparison."""
     lengths = [len(row["input_ids"]) for row in rows]
-
-    def write(hidden: torch.Tensor, aux: torch.Tensor | None, batch: list[int]) -> None:
-        for row, i in enumerate(batch):  # [L, hidden] (and [L, 3 * hidden]): the real tokens only
-            more = {} if aux is None else {"aux": aux[row, : lengths[i]]}
-            put(i, hidden[row, : lengths[i]], **more)
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
-        pending: Future | None = None
-        for batch in bucket_batches(lengths, max_tokens=max_tokens, max_batch_size=max_batch_size):
-            longest = max(lengths[i] for i in batch)
-            input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [b, T], right padding
-            for row, i in enumerate(batch):
-                input_ids[row, : lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
-            # By default no attention mask: in a causal decoder a real token attends only to earlier
-            # positions, all real under right padding, and its position ids are 0..L-1 either way. Without
-            # a mask, SDPA runs its fused causal kernel instead of materialising a [b, heads, T, T] mask.
-            mask = (torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]).long()
-            ids, pad_mask = input_ids.to(target.device), mask.to(target.device) if attention_mask else None
-            if aux_layers is None:
-                hidden, aux = target.hidden_states(ids, pad_mask), None
-            else:
-                hidden, aux = target.aux_hidden_states(ids, pad_mask, aux_layers)  # [b, T, 3 * hidden]
-                aux = (aux if dtype is None else aux.to(dtype)).cpu()
-            hidden = (hidden if dtype is None else hidden.to(dtype)).cpu()  # [b, T, hidden]
-            if pending is not None:
-                pending.result()  # the batch before is on disk (or its error raised here)
-            pending = writer.submit(write, hidden, aux, batch)
-            if on_batch is not None:
-                on_batch(len(batch), sum(lengths[i] for i in batch))
-        if pending is not None:
-            pending.result()
+    for batch in bucket_batches(lengths, max_tokens=max_tokens, max_batch_size=max_batch_size):
+        longest = max(lengths[i] for i in batch)
+        input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [b, T], right padding
+        for row, i in enumerate(batch):
+            input_ids[row, : lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
+        # By default no attention mask: in a causal decoder a real token attends only to earlier
+        # positions, all real under right padding, and its position ids are 0..L-1 either way. Without
+        # a mask, SDPA runs its fused causal kernel instead of materialising a [b, heads, T, T] mask.
+        mask = (torch.arange(longest)[None] < torch.tensor([lengths[i] for i in batch])[:, None]).long()
+        ids, pad_mask = input_ids.to(target.device), mask.to(target.device) if attention_mask else None
+        if aux_layers is None:
+            hidden, aux = target.hidden_states(ids, pad_mask), None
+        else:
+            hidden, aux = target.aux_hidden_states(ids, pad_mask, aux_layers)  # [b, T, 3 * hidden]
+            aux = (aux if dtype is None else aux.to(dtype)).cpu()
+        hidden = (hidden if dtype is None else hidden.to(dtype)).cpu()  # [b, T, hidden]
+        yield batch, hidden, aux
 
 
 @dataclass
@@ -163,16 +126,17 @@ class HFFeatures:
     def widths(self) -> dict[str, int]:
         return feature_widths(self.target.hidden_size, self.aux_layers)
 
-    def fill(self, rows: Sequence[dict[str, Any]], on_batch: Callable[[int, int], None]) -> Fill:
+    def batches(
+        self, rows: Sequence[dict[str, Any]]
+    ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+        """(row indices, hidden, aux) per length-bucketed batch of `rows` (`feature_batches`)."""
         kind = storage(self.cfg.dtype)
-        return functools.partial(
-            extract_rows,
+        return feature_batches(
             self.target,
             rows,
             self.cfg.max_tokens,
             self.cfg.max_batch_size,
             dtype=None if kind.scaled else kind.dtype,
-            on_batch=on_batch,
             aux_layers=self.aux_layers,
         )
 
@@ -267,15 +231,16 @@ def extract_shards(
     process_index) that are not already complete; returns the plan. The output directory is prepared
     when the first shard is cut; a DataError raised later says which shards were kept."""
     out_dir, content_hash = Path(cfg.out_dir), store_hash(identity)
-    target, widths = features.target, features.widths
-    bytes_per_token = sum(storage(cfg.dtype).row_bytes(w, target.hidden_size) for w in widths.values())
+    target = features.target
+    bytes_per_token = sum(
+        storage(cfg.dtype).row_bytes(w, target.hidden_size) for w in features.widths.values()
+    )
     progress = Progress(cfg.progress and accelerator.is_main_process)
     plan: list[tuple[int, int]] = []
     kept = 0
+    shards = stream_shards(rows, tokens, bytes_per_token, cfg.shard_samples, cfg.shard_bytes)
     try:
-        for k, (start, stop, shard_rows) in enumerate(
-            stream_shards(rows, bytes_per_token, cfg.shard_samples, cfg.shard_bytes)
-        ):
+        for k, (start, stop, shard_rows) in enumerate(shards):
             if k == 0:  # a different store is refused on every process
                 on_main(accelerator, lambda: prepare_out_dir(out_dir, identity, cfg.overwrite))
             plan.append((start, stop))
@@ -285,9 +250,8 @@ def extract_shards(
             if completed_shard(out_dir, k, extra, full=cfg.verify == "full") is not None:
                 kept += 1
                 continue
-            fill = features.fill(shard_rows, progress)  # fill(put): put(i, hidden) for every row of the shard
             extra["process"] = accelerator.process_index
-            write_shard(out_dir, k, shard_rows, cfg.dtype, target.vocab_size, extra, fill, widths)
+            write_shard(out_dir, k, shard_rows, features, cfg.dtype, extra, progress)
     except DataError as err:
         if plan:
             raise DataError(
@@ -301,6 +265,39 @@ def extract_shards(
     if kept:
         log.info("process %d: kept %d completed shards", accelerator.process_index, kept)
     return plan
+
+
+def tokens(row: dict[str, Any]) -> int:
+    """A tokenized conversation's length."""
+    return len(row["input_ids"])
+
+
+def write_shard(
+    out_dir: Path,
+    index: int,
+    rows: Sequence[dict[str, Any]],
+    features,
+    dtype: str,
+    extra: dict[str, Any],
+    progress: Callable[[int, int], None],
+) -> dict[str, Any]:
+    """Extract the features of shard `index`'s rows and write the shard (then its sidecar); return the
+    sidecar. One batch is written (in a background thread) while the next one runs, so the target does
+    not wait for the disk."""
+    vocab_size = features.target.vocab_size
+    with (
+        ShardWriter(out_dir, index, rows, dtype, vocab_size, features.widths, extra) as shard,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer,
+    ):
+        pending: Future | None = None
+        for batch, hidden, aux in features.batches(rows):
+            if pending is not None:
+                pending.result()  # the batch before is on disk (or its error raised here)
+            pending = writer.submit(shard.put, batch, hidden, aux)
+            progress(len(batch), sum(tokens(rows[i]) for i in batch))
+        if pending is not None:
+            pending.result()
+    return shard.info
 
 
 def format_summary(counts: dict[str, Any]) -> str:

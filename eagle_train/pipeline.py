@@ -2,13 +2,14 @@
 
 Runs the experiment preset's stages (prepare, mix, regenerate, extract, train, evaluate) in order, each as
 a subprocess (`python -m eagle_train.<stage> OVERRIDES...`: stage modules are never imported here), all
-writing under one run directory (locked: eagle_train.lock). When a stage finishes, its record
-`<run_dir>/.stages/<stage>.json` keeps the hash of its command, the sha256 of its outputs and of its
+writing under one run directory (`out_dir=`, default runs/<experiment>; locked:
+eagle_train.runtime.output_lock). When a stage finishes, its record
+`<out_dir>/.stages/<stage>.json` keeps the hash of its command, the sha256 of its outputs and of its
 inputs (the outputs of the stages before it). A rerun skips a stage only when that record says it
 finished with the same command and the same inputs and its outputs are unchanged; a stage killed
 mid-run has no record and runs again, and once a stage runs, every stage after it runs too (so a
 `force=[train]` re-evaluates the new head). Each stage's output is shown live and kept in
-`<run_dir>/logs/<stage>.log`; `<run_dir>/pipeline.json` records the commands and their times. The
+`<out_dir>/logs/<stage>.log`; `<out_dir>/pipeline.json` records the commands and their times. The
 evaluation report table is printed once: live by the evaluate stage, or at the end when it was skipped.
 
 Extra overrides per stage: `'+overrides.train=["max_steps=10"]'`; rerun a finished stage: `force=[train]`.
@@ -24,9 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.pipeline import STAGE_ORDER, PipelineConfig, StageSpec
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import FileFormatError, atomic_write_json, file_sha256, read_json, remove_partial_files
+from eagle_train.runtime.atomic_files import (
+    FileFormatError,
+    atomic_write_json,
+    file_sha256,
+    read_json,
+    remove_partial_files,
+)
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
@@ -165,7 +172,7 @@ def run_stage(
 
 def run(cfg: PipelineConfig) -> list[dict]:
     """Run the experiment's enabled stages in order; print the stage times and the report table."""
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(cfg.out_dir)
     with stage_lock(run_dir, "pipeline"):
         run_dir.mkdir(parents=True, exist_ok=True)
         for directory in (run_dir, run_dir / ".stages"):  # what killed writes of pipeline.json / records left

@@ -18,7 +18,8 @@ through a symlink); at the end the main process merges the parts with any existi
 order and replaces `<out>` atomically. A rerun drops a torn trailing line and skips every id already
 written, so nothing is duplicated or truncated. `out` is refused when it is the input file, or when it
 (or a part file) exists but is not this command's output: lines that are not this stage's records, no
-stats file, or other settings (`overwrite=true` starts it over). The output is locked (eagle_train.lock).
+stats file, or other settings (`overwrite=true` starts it over). The output is locked
+(eagle_train.runtime.output_lock).
 Several processes: `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m
 eagle_train.regenerate ...` (or plain `accelerate launch` on GPUs).
 """
@@ -38,12 +39,14 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
+from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.base import mismatches, resolve_path
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import SHAREGPT_ROLES, check_data_file, load_conversations
-from eagle_train.entry import stage_lock, stage_main
-from eagle_train.files import (
+from eagle_train.modeling.frozen import checkpoint_sha256
+from eagle_train.modeling.target import Target, load_target, target_source
+from eagle_train.runtime.atomic_files import (
     OutputError,
     atomic_write_json,
     atomic_write_lines,
@@ -52,8 +55,6 @@ from eagle_train.files import (
     read_json,
     remove_partial_files,
 )
-from eagle_train.modeling.frozen import checkpoint_sha256
-from eagle_train.modeling.target import Target, load_target, target_source
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ def stats_path(out: Path) -> Path:
 def check_output(out: Path, data_file: Path, wanted: dict, overwrite: bool) -> bool:
     """Refuse an `out` that is the input, or that exists (or has part files) without being this
     command's own output: records of this stage, settings equal to `wanted` in `<out>.stats.json`
-    (eagle_train.files.check_output_file). Returns True when what exists must be cleared first
+    (eagle_train.runtime.atomic_files.check_output_file). Returns True when what exists must be cleared first
     (`overwrite` with other settings)."""
     if out.exists() and data_file.exists() and os.path.samefile(out, data_file):
         raise OutputError(

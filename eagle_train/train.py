@@ -24,17 +24,16 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from tqdm import tqdm
 
-from eagle_train.allocator import map_large_allocations
+from eagle_train.cli import on_main, stage_lock, stage_main
 from eagle_train.config.base import resolve_path
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
-from eagle_train.entry import on_main, stage_lock, stage_main
-from eagle_train.files import atomic_write_lines, file_sha256, remove_partial_files
-from eagle_train.metrics import draft_metric_sums, finalize_metrics
-from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.frozen import load_frozen_target
+from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.modeling.target import Target, TargetParts, load_target, load_target_config
-from eagle_train.training import checkpoint as ckpt
+from eagle_train.runtime.allocator import map_large_allocations
+from eagle_train.runtime.atomic_files import atomic_write_lines, file_sha256, remove_partial_files
+from eagle_train.training import resume as ckpt
 from eagle_train.training.data import (
     MicroBatch,
     Source,
@@ -47,6 +46,7 @@ from eagle_train.training.data import (
 )
 from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
 from eagle_train.training.heads import build_head
+from eagle_train.training.metrics import draft_metric_sums, finalize_metrics
 from eagle_train.training.objective import Objective, make_objective
 from eagle_train.training.optim import NonFiniteError, build_optimizer, check_finite, grad_norm, lr_at, set_lr
 from eagle_train.training.sources import online_features, open_online, open_store, source_identity
@@ -201,7 +201,7 @@ def clip_and_step(model, optimizer, cfg: TrainConfig, accelerator: Accelerator) 
 def evaluate(
     head, data: RunData, cfg: TrainConfig, accelerator: Accelerator, objective: Objective, lm_weight
 ):
-    """Held-out metrics (eagle_train.metrics: first-step top-1/3, k-step chain accuracy, simulated
+    """Held-out metrics (eagle_train.training.metrics: first-step top-1/3, k-step chain accuracy, simulated
     acceptance length) plus the objective's terms without noise, over all processes."""
     held_out = data.held_out[: cfg.eval_max_samples] if cfg.eval_max_samples else data.held_out
     mine = held_out[accelerator.process_index :: accelerator.num_processes]
@@ -325,7 +325,7 @@ class Session:
     feature_dtype: torch.dtype  # the head's parameter dtype: features are decoded to it on the device
     out_dir: Path
     meta: dict[str, Any]  # checkpoint meta: target identity, max_len
-    identity: dict[str, Any]  # the run's identity (training/checkpoint.py: run_identity), checked on resume
+    identity: dict[str, Any]  # the run's identity (training/resume.py: run_identity), checked on resume
     per_step: int  # micro-batches per optimizer step over all processes
     steps_per_epoch: int  # of the first epoch (the others may differ by a few: see total_steps)
     total: int  # optimizer steps of the whole schedule
@@ -531,7 +531,7 @@ def nonfinite_report(err: NonFiniteError, state: dict[str, Any], s: Session, min
 
 def run(cfg: TrainConfig) -> dict[str, float]:
     """Train the head; returns the final held-out metrics. Writes out_dir/{checkpoints,final,metrics.jsonl}
-    under an exclusive lock on out_dir (eagle_train.lock)."""
+    under an exclusive lock on out_dir (eagle_train.runtime.output_lock)."""
     accelerator = make_accelerator(cfg)
     with stage_lock(cfg.out_dir, "train", accelerator):
         return train(cfg, accelerator)
@@ -540,7 +540,7 @@ def run(cfg: TrainConfig) -> dict[str, float]:
 def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
     """The stage under its lock: setup, the loop, the final evaluation and head."""
     session, state = setup(cfg, accelerator)
-    # a large target trained on the CPU: freed activations go back to the OS (eagle_train.allocator)
+    # a large target trained on the CPU: freed activations go back to the OS (eagle_train.runtime.allocator)
     map_large_allocations(session.accelerator.device.type, session.lm_weight.numel())
     fit(cfg, session, state)
     acc = session.accelerator

@@ -8,7 +8,7 @@ generated tokens / sum of median times; speedup = tokens/s over the AR baseline'
 same cache code). Per round: draft / verify / other milliseconds (other = the rest of the wall time:
 prefill, the decoder's own loop). `overhead` = wall time outside the target and draft forwards / wall time.
 
-`chain_auto` / `eagle2_auto`: the chain length and EAGLE-2 shape eagle_train.decoding.shapes.tune_shapes
+`chain_auto` / `eagle2_auto`: the chain length and EAGLE-2 shape eagle_train.autotune.shapes.tune_shapes
 picks per benchmark (calibrated on --tune-prompts held-out prompts, the ones after the timed ones; cost
 curves cached under bench_results/costs/; the EAGLE-2 pick settled by timing --race candidates on those
 prompts: `race_shapes`). `--sweep` also times a coarse grid of EAGLE-2 shapes (depth
@@ -39,15 +39,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from eagle_train.autotune.shapes import tune_shapes
 from eagle_train.config import CONF_DIR, TargetConfig, data_path, to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.data.prompts import load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.shapes import tune_shapes
 from eagle_train.evaluate import fit_prompt
-from eagle_train.modeling.checkpoint import load_head, save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.head_checkpoint import load_head, save_head
 from eagle_train.modeling.hf_generate import HFGenerate
 from eagle_train.modeling.target import load_target
 from eagle_train.regenerate import generate_batch

@@ -17,7 +17,6 @@ Prints a table, writes bench_results/extract.json.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import shutil
@@ -42,9 +41,9 @@ from eagle_train.data.render import ChatRenderer, tokenize_stream
 from eagle_train.data.sharegpt import DropReport, stream_conversations
 from eagle_train.modeling.target import load_target, load_target_config
 from eagle_train.store.codec import storage
-from eagle_train.store.manifest import feature_widths, store_hash, store_identity
+from eagle_train.store.manifest import store_hash, store_identity
 from eagle_train.store.reader import FeatureStore
-from eagle_train.store.writer import plan_shards, prepare_out_dir, write_manifest, write_shard
+from eagle_train.store.writer import plan_shards, prepare_out_dir, write_manifest
 
 ALPACA = (data_path("sharegpt/alpaca_cleaned_1000_as_sharegpt.json")).resolve()
 VARIANTS = {  # name -> (ExtractConfig overrides, attention mask)
@@ -80,6 +79,30 @@ def tokenize(cfg: ExtractConfig, target) -> Tokenized:
     return Tokenized(rows, report, renderer.template_name, max_len, extract.data_source(cfg.data))
 
 
+@dataclass
+class MaskedFeatures:
+    """The hf backend's features, with the (unneeded) padding mask passed when `attention_mask`."""
+
+    hf: extract.HFFeatures
+    attention_mask: bool
+
+    @property
+    def target(self):
+        return self.hf.target
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return self.hf.widths
+
+    def batches(self, rows):
+        kind = storage(self.hf.cfg.dtype)
+        cfg = self.hf.cfg
+        dtype = None if kind.scaled else kind.dtype
+        return extract.feature_batches(
+            self.target, rows, cfg.max_tokens, cfg.max_batch_size, dtype, self.attention_mask
+        )
+
+
 def extract_once(cfg: ExtractConfig, target, data: Tokenized, attention_mask: bool) -> tuple[float, Path]:
     """Wall seconds to extract and write every shard into a fresh store (the loop of
     `extract.extract_shards`, one process), and the store's directory."""
@@ -88,27 +111,18 @@ def extract_once(cfg: ExtractConfig, target, data: Tokenized, attention_mask: bo
         target, load_target_config(cfg.target), cfg.dtype, data.template, data.max_len, data.source
     )
     prepare_out_dir(out_dir, identity, overwrite=False)
-    kind, widths = storage(cfg.dtype), feature_widths(target.hidden_size)
+    kind = storage(cfg.dtype)
     plan = plan_shards(
         data.lengths,
         kind.row_bytes(target.hidden_size, target.hidden_size),
         cfg.shard_samples,
         cfg.shard_bytes,
     )
+    features = MaskedFeatures(extract.HFFeatures(target, cfg), attention_mask)
     start = time.perf_counter()
     for k, (begin, end) in enumerate(plan):
-        rows = data.rows[begin:end]
-        fill = functools.partial(
-            extract.extract_rows,
-            target,
-            rows,
-            cfg.max_tokens,
-            cfg.max_batch_size,
-            dtype=None if kind.scaled else kind.dtype,
-            attention_mask=attention_mask,
-        )
         extra = {"start": begin, "stop": end, "store": store_hash(identity)}
-        write_shard(out_dir, k, rows, cfg.dtype, target.vocab_size, extra, fill, widths)
+        extract.write_shard(out_dir, k, data.rows[begin:end], features, cfg.dtype, extra, lambda *_: None)
     seconds = time.perf_counter() - start
     write_manifest(out_dir, identity, plan, data.report.to_dict(), "bench")
     return seconds, out_dir

@@ -75,8 +75,8 @@ def timed(fn) -> float:
 
 def identity_cost(gb: float, files: int, where: str | None) -> dict:
     """Part 1: seconds of the weight-file identity, first time (cold, warm; parallel, serial) and cached."""
-    from eagle_train.files import cached_sha256
     from eagle_train.modeling.frozen import checkpoint_sha256
+    from eagle_train.runtime.atomic_files import cached_sha256
 
     root = Path(tempfile.mkdtemp(prefix="bench_integrity_", dir=where))
     try:
@@ -119,11 +119,11 @@ def identity_cost(gb: float, files: int, where: str | None) -> dict:
 def checks_alone(repeats: int) -> dict:
     """Each new check on its own, this code, stories260K (best of `repeats`, in milliseconds)."""
     from eagle_train.config.base import data_path
-    from eagle_train.files import cached_sha256
-    from eagle_train.modeling.checkpoint import check_head_files, save_head
     from eagle_train.modeling.draft import DraftHead
     from eagle_train.modeling.frozen import checkpoint_sha256
+    from eagle_train.modeling.head_checkpoint import check_head_files, save_head
     from eagle_train.modeling.target import load_target_config
+    from eagle_train.runtime.atomic_files import cached_sha256
     from eagle_train.train import final_logged
 
     model = str(data_path("models/stories260K"))
@@ -162,15 +162,15 @@ def child(work: Path, repeats: int) -> dict:
     torch.set_num_threads(1)
     from accelerate import Accelerator
 
+    from eagle_train.cli import compose
     from eagle_train.config.base import to_schema
     from eagle_train.config.evaluate import EvaluateConfig
     from eagle_train.config.extract import ExtractConfig
     from eagle_train.config.train import TrainConfig
-    from eagle_train.entry import compose
     from eagle_train.evaluate import draft_notes
     from eagle_train.evaluate import load_head as evaluate_head
     from eagle_train.extract import run as extract
-    from eagle_train.modeling.checkpoint import load_head, save_head
+    from eagle_train.modeling.head_checkpoint import load_head, save_head
     from eagle_train.modeling.target import load_target
     from eagle_train.train import prepare_data
     from eagle_train.training.sources import checkpoint_identity

@@ -1,12 +1,12 @@
 """Memory and time of the training loss (forward + backward) on the CPU: the chunked CE of
-`eagle_train.loss.eagle_loss_sums` against the one-shot computation it replaced ([positions, vocab]
+`eagle_train.training.loss.eagle_loss_sums` against the one-shot computation it replaced ([positions, vocab]
 logits, softmax and log-softmax all at once), side by side at growing sequence lengths.
 
 Peak memory is the allocator's own peak of torch CPU allocations during one forward + backward
 (profiler memory events; inputs excluded, deterministic); time is the median of --repeats runs,
 interleaved with the other variant's.
 The one-shot loss is measured only up to --one-shot-max positions (it needs several [positions, vocab]
-float32 tensors). On a GPU, eagle_train.checks.loss_memory measures the same at Llama-3 sizes.
+float32 tensors). On a GPU, eagle_train.diagnostics.gpu_checks.loss_memory measures the same at Llama-3 sizes.
 
     python scripts/bench_loss.py [--vocab 32000] [--hidden 256] [--lengths 1024 4096 16384] [--repeats 3]
 Writes bench_results/loss.json.
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_train.checks import peak_memory_bytes
-from eagle_train.loss import chunk_positions, eagle_loss_sums
+from eagle_train.diagnostics.gpu_checks import peak_memory_bytes
+from eagle_train.training.loss import chunk_positions, eagle_loss_sums
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

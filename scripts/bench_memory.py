@@ -31,7 +31,7 @@ import torch
 torch.set_num_threads(1)
 from eagle_train.config.base import to_schema
 from eagle_train.config.train import TrainConfig
-from eagle_train.entry import compose
+from eagle_train.cli import compose
 from eagle_train.train import run
 cfg = to_schema(compose("train", overrides=sys.argv[1:]), TrainConfig)
 run(cfg)

@@ -28,7 +28,7 @@ from eagle_train.config import CONF_DIR, TargetConfig, data_path, to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import acceptance_by_position, mean_accept_length
-from eagle_train.modeling.checkpoint import load_head
+from eagle_train.modeling.head_checkpoint import load_head
 from eagle_train.modeling.target import load_target
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
-from eagle_train.entry import compose
 from eagle_train.extract import run as extract
 from eagle_train.store.codec import decode, encode, storage
 from eagle_train.store.reader import FeatureStore

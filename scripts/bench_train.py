@@ -63,9 +63,9 @@ def train_child(overrides: list[str], threads: int) -> dict:
     """Run one training in this process (called in a child); metrics + peak RSS as a dict."""
     import torch
 
+    from eagle_train.cli import compose
     from eagle_train.config.base import to_schema
     from eagle_train.config.train import TrainConfig
-    from eagle_train.entry import compose
     from eagle_train.train import run
 
     torch.set_num_threads(threads)

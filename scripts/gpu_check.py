@@ -17,8 +17,8 @@ downloaded); its config, tokenizer (stories260K's, the ids fed are random) and i
                  store of random features of the target's width
     decoding     per round of ar / chain / EAGLE-1 (mc_sim_7b_63) / EAGLE-2 (60 tokens, depth 5, top-k 10):
                  wall ms, draft ms and verify ms (the decoder's own timers), with a seeded random head
-    checks       eagle_train.checks on stories260K: bf16 greedy identity (near-ties only), flash-attention
-                 targets decoding through sdpa, the loss's peak memory flat in the positions
+    checks       eagle_train.diagnostics.gpu_checks on stories260K: bf16 greedy identity (near-ties only),
+                 flash-attention targets decoding through sdpa, the loss's peak memory flat in the positions
 
 Prints the JSON and writes it to --out (default bench_results/gpu_check.json, or gpu_check_cpu_tiny.json).
 """
@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_extract import Tokenized, bare_forward, extract_once  # noqa: E402
 
-from eagle_train import checks  # noqa: E402
+from eagle_train.cli import compose  # noqa: E402
 from eagle_train.config.base import CONF_DIR, data_path, to_schema  # noqa: E402
 from eagle_train.config.decode import DecodeConfig  # noqa: E402
 from eagle_train.config.extract import ExtractConfig  # noqa: E402
@@ -50,7 +50,7 @@ from eagle_train.config.target import TargetConfig  # noqa: E402
 from eagle_train.config.train import TrainConfig  # noqa: E402
 from eagle_train.data.sharegpt import DropReport  # noqa: E402
 from eagle_train.decoding.decoder import SpeculativeDecoder  # noqa: E402
-from eagle_train.entry import compose  # noqa: E402
+from eagle_train.diagnostics import gpu_checks  # noqa: E402
 from eagle_train.modeling.random_target import TOKENIZER_FILES, llama_config, random_llama  # noqa: E402
 from eagle_train.modeling.target import Target, load_target_config, load_tokenizer  # noqa: E402
 from eagle_train.store.synthetic import write_random_store  # noqa: E402
@@ -198,7 +198,7 @@ def training(target: Target, size: dict, device: str, work: Path, head: str) -> 
 
 def decoding(target: Target, size: dict, device: str) -> dict:
     """Per round of each method: wall, draft and verify milliseconds (the decoder's timers)."""
-    head = checks.random_head(target)
+    head = gpu_checks.random_head(target)
     generator = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(3, target.vocab_size, (64,), generator=generator).tolist()
@@ -227,18 +227,19 @@ def decoding(target: Target, size: dict, device: str) -> dict:
 
 
 def project_checks(device: str, tiny: bool) -> dict:
-    """eagle_train.checks on stories260K (small on the CPU, as tests/test_checks.py runs them)."""
+    """eagle_train.diagnostics.gpu_checks on stories260K (small on the CPU, as
+    tests/diagnostics/test_gpu_checks.py runs them)."""
     stories = to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig)
     if tiny:
-        identity = checks.bf16_greedy_identity(stories, device, prompts=1, max_new_tokens=24)
-        memory = checks.loss_memory(
+        identity = gpu_checks.bf16_greedy_identity(stories, device, prompts=1, max_new_tokens=24)
+        memory = gpu_checks.loss_memory(
             device, vocab=2048, hidden=32, lengths=(256, 2048), weight_dtype=torch.float32, chunk=64
         )
     else:
-        identity, memory = checks.bf16_greedy_identity(stories, device), checks.loss_memory(device)
+        identity, memory = gpu_checks.bf16_greedy_identity(stories, device), gpu_checks.loss_memory(device)
     return {
         "bf16_greedy_identity": identity,
-        "flash_attention_decoding": checks.flash_attention_decoding(stories, device),
+        "flash_attention_decoding": gpu_checks.flash_attention_decoding(stories, device),
         "loss_memory": memory,
     }
 

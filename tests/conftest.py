@@ -107,7 +107,7 @@ def reseal(store: Path, index: int) -> None:
     manifest, as a writer with a bug (or an attacker) would, so only the content checks can catch it."""
     import json
 
-    from eagle_train.files import file_sha256
+    from eagle_train.runtime.atomic_files import file_sha256
     from eagle_train.store.manifest import MANIFEST_NAME
     from eagle_train.store.writer import shard_name
 
@@ -119,7 +119,7 @@ def reseal(store: Path, index: int) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def weight_hash_cache(tmp_path_factory):
-    """The sha256 cache of target weight files (eagle_train.files.cached_sha256) in a temporary
+    """The sha256 cache of target weight files (eagle_train.runtime.atomic_files.cached_sha256) in a temporary
     directory, for this process and the subprocesses tests start: never the user's ~/.cache."""
     os.environ["EAGLE_TRAIN_CACHE"] = str(tmp_path_factory.mktemp("eagle_train_cache"))
     yield

@@ -5,7 +5,7 @@ reaches through another module (patched there).
 
     python tests/kill_after.py MODULE FUNCTION N [hydra overrides...]
     python tests/kill_after.py eagle_train.extract write_shard 1 data=fastchat_dummy out_dir=DIR
-    python tests/kill_after.py eagle_train.train eagle_train.modeling.checkpoint:save_file 2 ...
+    python tests/kill_after.py eagle_train.train eagle_train.modeling.head_checkpoint:save_file 2 ...
 """
 
 from __future__ import annotations

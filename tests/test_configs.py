@@ -8,8 +8,8 @@ import itertools
 import pytest
 from omegaconf import OmegaConf
 
+from eagle_train.cli import SCHEMAS, compose
 from eagle_train.config.base import CONF_DIR, to_schema
-from eagle_train.entry import SCHEMAS, compose
 
 # Values a user must give on the command line (no sensible default).
 REQUIRED = {
@@ -74,3 +74,47 @@ def test_gpu_presets_train_on_2048_tokens(preset, stage):
 def test_static_trees_load(tree):
     paths = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / f"{tree}.yaml"))
     assert paths, f"conf/tree/{tree}.yaml is empty"
+
+
+@pytest.mark.parametrize(
+    "stage, old, given, schema_kwargs",
+    [
+        ("export", "out", ["ckpt=runs/x/final"], {"ckpt": "runs/x/final"}),
+        ("pipeline", "run_dir", [], {"stages": {}}),
+    ],
+)
+def test_a_renamed_key_still_works_and_names_its_new_name(stage, old, given, schema_kwargs, tmp_path):
+    """Every stage writes a directory under out_dir=: export's out= and the pipeline's run_dir= still work
+    (command line and Python), with a warning that names out_dir."""
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use out_dir"):
+        cfg = to_schema(compose(stage, [*given, f"{old}={tmp_path}"]), SCHEMAS[stage])
+    assert cfg.out_dir == str(tmp_path) and getattr(cfg, old) is None
+    if stage == "pipeline":  # the preset's stages write under it
+        assert cfg.report == f"{tmp_path}/eval/report.md"
+        assert f"out_dir={tmp_path}/features" in cfg.stages["extract"].args
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use out_dir"):
+        made = SCHEMAS[stage](**schema_kwargs, **{old: str(tmp_path)})
+    assert made.out_dir == str(tmp_path)
+    new = to_schema(compose(stage, [*given, f"out_dir={tmp_path}"]), SCHEMAS[stage])
+    assert new.out_dir == str(tmp_path)
+
+
+def test_the_eagle3_demo_is_the_demo_with_its_own_settings():
+    """tiny_cpu_eagle3 shares tiny_cpu's stages (one base): its commands differ only where its vars do."""
+    base, eagle3 = (
+        to_schema(compose("pipeline", [f"experiment={name}", "out_dir=runs/x"]), SCHEMAS["pipeline"])
+        for name in ("tiny_cpu", "tiny_cpu_eagle3")
+    )
+    assert base.stages.keys() == eagle3.stages.keys() and eagle3.name == "tiny_cpu_eagle3"
+    changed = {
+        name: (
+            sorted(set(spec.args) - set(eagle3.stages[name].args)),
+            sorted(set(eagle3.stages[name].args) - set(spec.args)),
+        )
+        for name, spec in base.stages.items()
+        if spec != eagle3.stages[name]
+    }
+    assert changed == {
+        "extract": (["aux=false"], ["aux=true"]),
+        "train": (["draft.type=eagle1", "max_steps=2500"], ["draft.type=eagle3", "max_steps=300"]),
+    }

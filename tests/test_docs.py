@@ -6,7 +6,7 @@
 - every command line in a fenced block composes, without running anything or touching a file: a Hydra stage
   (`python -m eagle_train.STAGE ...`, `accelerate launch ... train.py ...`, `make demo|train|eval|...`)
   through the stage's own composition and schema (unknown keys, types and `__post_init__` checks); the small
-  argparse commands (`eagle_train.data.mix`, `eagle_train.modeling.reexpress`, `scripts/*.py`) through their
+  argparse commands (`eagle_train.data.mix`, `eagle_train.interop.reexpress`, `scripts/*.py`) through their
   own parser; `accelerate launch` options through accelerate's parser, its `--config_file` must exist.
 """
 
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle_train.cli import SCHEMAS, compose
 from eagle_train.config.base import to_schema
-from eagle_train.entry import SCHEMAS, compose
 from tests.conftest import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.draft import DraftConfig
@@ -17,10 +18,9 @@ from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.decoding.decoder import Round, record_rounds
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.tree import build_tree
-from eagle_train.entry import compose
 from eagle_train.evaluate import calibration_pairs, fit_prompt, run
-from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.head_checkpoint import save_head
 from tests.conftest import decoder_fine_tune
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.export import ExportConfig
-from eagle_train.entry import compose
 from eagle_train.export import run
-from eagle_train.modeling.checkpoint import load_head, save_head
+from eagle_train.interop.layouts import export_head, load_draft, load_input_embedding
 from eagle_train.modeling.draft import DraftHead
-from eagle_train.modeling.interop import export_head, load_draft, load_input_embedding
+from eagle_train.modeling.head_checkpoint import load_head, save_head
 from tests.conftest import STORIES260K
 
 
@@ -276,12 +276,12 @@ def random_head(target, fc_bias: bool) -> DraftHead:
     return head.eval()
 
 
-# sglang and vllm without a bias copy the weights exactly (head outputs compared in tests/modeling/test_interop.py)
+# sglang and vllm without a bias copy the weights exactly (head outputs compared in tests/interop/test_layouts.py)
 @pytest.mark.parametrize("fmt,fc_bias", [("vllm", True), ("eagle", True)])
 def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_bias):
     """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with
     the original head (tokens and per-round acceptance), for every layout."""
-    from eagle_train.modeling.interop import export_head
+    from eagle_train.interop.layouts import export_head
 
     head = random_head(target, fc_bias)
     embed = load_input_embedding(STORIES260K) if fmt == "eagle" else None

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle_train.cli import compose
 from eagle_train.config import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.data.batching import bucket_batches, padding_fraction
 from eagle_train.data.render import ChatRenderer, tokenize_conversations
 from eagle_train.data.sharegpt import DataError, load_conversations
-from eagle_train.entry import compose
 from eagle_train.extract import run
 from eagle_train.store.codec import decode
 from eagle_train.store.manifest import MANIFEST_NAME, StoreError, StoreMismatchError, target_config_hash

@@ -16,7 +16,7 @@ import torch
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.extract import run
-from eagle_train.files import partial_prefix
+from eagle_train.runtime.atomic_files import partial_prefix
 from eagle_train.store.manifest import MANIFEST_NAME
 from eagle_train.store.reader import FeatureStore
 from eagle_train.store.writer import shard_name

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from eagle_train.cli import SCHEMAS, compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.pipeline import PipelineConfig, StageSpec
 from eagle_train.data.mix import parse_args as mix_args
 from eagle_train.data.mix import parse_source
 from eagle_train.data.tinystories import parse_args as tinystories_args
-from eagle_train.entry import SCHEMAS, compose
 from eagle_train.pipeline import run
 
 # (experiment, extra overrides, expected name): the GPU preset with every target preset

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.pipeline import PipelineConfig
-from eagle_train.entry import compose
 from eagle_train.pipeline import run
 
 REDUCED = {

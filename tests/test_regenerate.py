@@ -7,11 +7,11 @@ import json
 import pytest
 
 import eagle_train.regenerate as regen
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
-from eagle_train.entry import compose
 from tests.conftest import DATA
 
 

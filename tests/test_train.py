@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.data import DataConfig
 from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
-from eagle_train.entry import compose
-from eagle_train.modeling.checkpoint import save_head
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.store.manifest import StoreError, StoreMismatchError
 from eagle_train.store.shard import ShardFile
 from eagle_train.store.writer import shard_name
@@ -441,7 +441,7 @@ def test_a_store_from_a_decoder_only_fine_tune_is_refused(tiny_store, tmp_path):
 def test_online_resume_refuses_a_decoder_only_fine_tune(tiny_conversations, tmp_path):
     """Issue 26.1: a resumed online run must use the target its checkpoint was trained with, decoder
     layers included (target.path may move; the weights may not change)."""
-    from eagle_train.training.checkpoint import CheckpointError
+    from eagle_train.training.resume import CheckpointError
 
     args = (
         "max_steps=2",

@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.train import TrainConfig
-from eagle_train.entry import compose
 from eagle_train.train import run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,6 +14,9 @@ METHODS = ("ar", "hf", "chain", "eagle1", "eagle2")
 SPECULATIVE = ("chain", "eagle1", "eagle2")
 SHAPES = ("auto", "fixed")
 AUTO_TREE_BASE = "mc_sim_7b_63"  # decode.tree=auto prunes this tree, extended by the draft's top-1 chain
+# Each method's shape fields and their defaults: a field left null is chosen under decode.shape=auto, else
+# takes its default here (null, not the default value, is what "not given" means: decode.depth=5 pins it).
+SHAPE_DEFAULTS = {"chain": {"chain_length": 4}, "eagle2": {"depth": 5, "top_k": 10, "total_tokens": 60}}
 
 
 @dataclass
@@ -23,20 +26,24 @@ class DecodeConfig:
     method: str = (
         "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
     )
-    # auto: the chain length and the EAGLE-2 depth / top_k / total_tokens that decode fastest here, chosen
-    # from measured costs and acceptance (eagle_train.decoding.shapes; the evaluate stage resolves it before
-    # decoding); a method whose fields are set away from their defaults keeps them (decode.depth=3: EAGLE-2
-    # fixed, the chain still chosen) | fixed: chain_length, depth, top_k, total_tokens as given
+    # auto: the chain length and the EAGLE-2 depth / top_k / total_tokens left null are chosen where they
+    # decode fastest here, from measured costs and acceptance (eagle_train.autotune.shapes; the evaluate stage
+    # resolves them before decoding); a method with one of its fields given keeps the fields it was given
+    # and the defaults for the rest (decode.depth=5: EAGLE-2 as 5 / 10 / 60, the chain still chosen) | fixed:
+    # the fields as given, null ones at their defaults (chain 4; EAGLE-2 depth 5, top_k 10, 60 tokens)
     shape: str = "fixed"
-    chain_length: int = 4  # chain: draft tokens per round
+    chain_length: int | None = None  # chain: draft tokens per round (null: 4, or chosen by decode.shape=auto)
     # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path), or auto: mc_sim_7b_63 plus the draft's
     # top-1 chain (and its second-best children) to depth 9, pruned to the nodes accepted most often, as many
-    # as decode fastest here (eagle_train.decoding.shapes, resolved by the evaluate stage)
+    # as decode fastest here (eagle_train.autotune.shapes, resolved by the evaluate stage)
     tree: str = "mc_sim_7b_63"
     tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
-    depth: int = 5  # eagle2: draft forwards per round after the first (tree depth = depth + 1)
-    top_k: int = 10  # eagle2: nodes expanded per depth and children kept per node
-    total_tokens: int = 60  # eagle2: tree size including the root
+    # eagle2 (null: the default, or chosen by decode.shape=auto): draft forwards per round after the first
+    # (tree depth = depth + 1; default 5), nodes expanded per depth and children kept per node (default 10),
+    # tree size including the root (default 60)
+    depth: int | None = None
+    top_k: int | None = None
+    total_tokens: int | None = None
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling with lossless verification
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off)
     top_k_sampling: int = 0  # sample among the k most likely tokens (0 = off)
@@ -54,16 +61,20 @@ class DecodeConfig:
             raise ValueError(f"decode.method must be one of {METHODS}, got {self.method!r}")
         if self.shape not in SHAPES:
             raise ValueError(f"decode.shape must be one of {SHAPES}, got {self.shape!r}")
-
+        for fields in SHAPE_DEFAULTS.values():  # fixed, or one field given: the method's shape is set
+            if self.shape == "fixed" or any(getattr(self, name) is not None for name in fields):
+                for name, default in fields.items():
+                    if getattr(self, name) is None:
+                        setattr(self, name, default)
         if self.temperature < 0:
             raise ValueError(f"decode.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k_sampling < 0 or self.max_new_tokens < 1 or self.chain_length < 1:
+        if self.top_k_sampling < 0 or self.max_new_tokens < 1 or _below(self.chain_length, 1):
             raise ValueError("decode.top_k_sampling must be >= 0, max_new_tokens and chain_length >= 1")
-        if self.depth < 1 or self.top_k < 1:
+        if _below(self.depth, 1) or _below(self.top_k, 1):
             raise ValueError(f"decode.depth and decode.top_k must be >= 1, got {self.depth}, {self.top_k}")
-        if self.total_tokens < 2:
+        if _below(self.total_tokens, 2):
             raise ValueError(f"decode.total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
         if self.method == "eagle1" and (self.tree != "auto" or self.tree_paths is not None):
             # the tree file is read here, once, never by the decoder
@@ -77,17 +88,17 @@ class DecodeConfig:
     @property
     def auto_methods(self) -> tuple[str, ...]:
         """The methods whose shape is chosen from measured costs: chain and eagle2 under decode.shape=auto,
-        each unless one of its shape fields is set away from its default; eagle1 under decode.tree=auto
-        (until its tree_paths are given)."""
-        fields = {"chain": ("chain_length",), "eagle2": ("depth", "top_k", "total_tokens")}
-        auto = [
-            m
-            for m, names in fields.items()
-            if self.shape == "auto" and all(getattr(self, n) == _SHAPE_DEFAULTS[n] for n in names)
-        ]
+        each unless one of its shape fields was given (even at its default value); eagle1 under
+        decode.tree=auto (until its tree_paths are given)."""
+        auto = [m for m, fields in SHAPE_DEFAULTS.items() if all(getattr(self, n) is None for n in fields)]
         if self.tree == "auto" and self.tree_paths is None:
             auto.append("eagle1")
         return tuple(auto)
+
+
+def _below(value: int | None, least: int) -> bool:
+    """A given shape field below its least value (null: not given, chosen later)."""
+    return value is not None and value < least
 
 
 def load_tree_paths(name: str) -> list[list[int]]:
@@ -105,9 +116,3 @@ def load_tree_paths(name: str) -> list[list[int]]:
     if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
         raise ValueError(f"{path}: expected a `paths:` list of lists of child ranks")
     return [[int(r) for r in p] for p in paths]
-
-
-_SHAPE_DEFAULTS = {
-    name: DecodeConfig.__dataclass_fields__[name].default
-    for name in ("chain_length", "depth", "top_k", "total_tokens")
-}

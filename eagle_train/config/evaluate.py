@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_train.config.decode import METHODS, DecodeConfig
+from eagle_train.config.decode import METHODS, SHAPE_DEFAULTS, DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
@@ -36,7 +36,7 @@ class EvaluateConfig:
     min_rounds: int = 50  # fewer speculative rounds per (bench, method) puts a warning in the report
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
     # torch intra-op threads on the CPU (null = measured: the faster of 1 and torch's default for the target's
-    # forwards, eagle_train.decoding.costs.choose_threads); a tiny target on a busy CPU runs far faster with 1
+    # forwards, eagle_train.autotune.costs.choose_threads); a tiny target on a busy CPU runs far faster with 1
     # (measured here under load: stories260K greedy 64 tokens 0.27 s with 1 thread, 4.2 s with 2)
     num_threads: int | None = None
     # decode.shape=auto: held-out prompts per benchmark (the questions after the first num_questions; the
@@ -45,7 +45,7 @@ class EvaluateConfig:
     tune_tokens: int = 128  # tokens decoded per calibration prompt (at most decode.max_new_tokens)
     # then the best predicted EAGLE-2 shape of this many of the fastest predicted (depth, top_k) pairs are
     # timed on the calibration prompts, side by side, and the fastest measured is chosen (0 or 1: the
-    # model's choice as it is; decoding.shapes.race_shapes)
+    # model's choice as it is; autotune.shapes.race_shapes)
     tune_race: int = 4
     # greedy identity: a differing answer whose first differing token has both candidates within this many
     # ulps of the top logit (in the target's dtype) is a near-tie, not a real divergence (decoding.identity)
@@ -92,6 +92,8 @@ class EvaluateConfig:
             self.engine != "builtin"
         ):  # the engines are compared on chain (vLLM drafts one) against plain decoding
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
+            if self.decode.chain_length is None:  # vLLM's chain is as given (its default), never tuned
+                self.decode.chain_length = SHAPE_DEFAULTS["chain"]["chain_length"]
         if self.tune_prompts < 1 or self.tune_tokens < 2 or self.tune_race < 0:
             raise ValueError("tune_prompts must be >= 1, tune_tokens >= 2 and tune_race >= 0")
         if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagle_train.config.base import RENAMED_KEYS, take_renamed
+from eagle_train.config.target import FLOAT_DTYPES
+
 EXPORT_FORMATS = ("vllm", "sglang", "eagle", "speculators")
 FC_BIAS_POLICIES = ("fold", "refuse")
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_DTYPES = FLOAT_DTYPES
 
 
 @dataclass
@@ -19,7 +22,8 @@ class ExportConfig:
     format: str = "vllm"
     # output directory, written atomically; an existing non-empty one must be an earlier export of this
     # format (replaced whole) unless overwrite is set
-    out: str = ""
+    out_dir: str = ""
+    out: str | None = None  # renamed out_dir (still read, with a warning)
     # write into a non-empty directory that is not an earlier export of this format: this layout's files
     # are replaced, nothing else is deleted
     overwrite: bool = False
@@ -32,12 +36,13 @@ class ExportConfig:
     # Where format=eagle reads the target's input embedding (the reference loads it from the head's file);
     # null = the target source the checkpoint records.
     target_path: str | None = None
-    # Re-express the head exactly with this larger head_dim (eagle_train.modeling.reexpress), for a target
+    # Re-express the head exactly with this larger head_dim (eagle_train.interop.reexpress), for a target
     # re-expressed the same way (vLLM's CPU attention needs 32+); null = keep the head's own.
     head_dim: int | None = None
     speculative_tokens: int = 3  # format=speculators: K, the draft tokens vLLM proposes per step
 
     def __post_init__(self) -> None:
+        take_renamed(self, RENAMED_KEYS["export"])
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {self.format!r}")
         if self.fc_bias not in FC_BIAS_POLICIES:

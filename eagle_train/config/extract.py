@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagle_train.config.data import DataConfig
-from eagle_train.config.target import TargetConfig
+from eagle_train.config.target import FLOAT_DTYPES, TargetConfig
 
-HIDDEN_DTYPES = ("bfloat16", "float16", "float32", "fp8")
+HIDDEN_DTYPES = (*FLOAT_DTYPES, "fp8")  # stored dtypes (eagle_train.store.codec)
 BACKENDS = ("hf", "vllm")
 VERIFY = ("changed", "full")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle_train.config.base import RENAMED_KEYS, take_renamed
+
 STAGE_ORDER = ("prepare", "mix", "regenerate", "extract", "train", "evaluate")
 
 
@@ -39,17 +41,19 @@ class PipelineConfig:
     """An experiment: a run directory and its stages, run in STAGE_ORDER, each skipped when finished."""
 
     name: str = "experiment"  # the preset's name (printed, stored in the run directory)
-    run_dir: str = "runs/${name}"  # every stage writes under this directory
+    out_dir: str = "runs/${name}"  # the run directory: every stage writes under it
+    run_dir: str | None = None  # renamed out_dir (still read, with a warning)
     vars: dict[str, Any] = field(
         default_factory=dict
     )  # the preset's own settings, used as ${vars.NAME} in args
     stages: dict[str, StageSpec] = field(default_factory=dict)  # stage name (one of STAGE_ORDER) -> spec
     overrides: dict[str, list[str]] = field(default_factory=dict)  # extra args appended per stage
     force: list[str] = field(default_factory=list)  # stages to rerun even when their outputs exist
-    report: str = "${run_dir}/eval/report.md"  # printed at the end (the evaluate stage writes it)
+    report: str = "${out_dir}/eval/report.md"  # printed at the end (the evaluate stage writes it)
     dry_run: bool = False  # print the commands without running them
 
     def __post_init__(self) -> None:
+        take_renamed(self, RENAMED_KEYS["pipeline"])
         unknown = sorted(set(self.stages) - set(STAGE_ORDER))
         if unknown:
             raise ValueError(f"unknown pipeline stages {unknown}; known: {list(STAGE_ORDER)}")

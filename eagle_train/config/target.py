@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+# The floating-point dtypes a config names (the one list: targets, exports, stores; torch dtypes of these
+# names: eagle_train.modeling.target.TORCH_DTYPES)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = (*FLOAT_DTYPES, "auto")
 
 
 @dataclass

@@ -1,20 +1,18 @@
 """Stage 2, `accelerate launch train.py`: train the EAGLE draft head on target features.
 
-Defaults follow the reference recipe where it makes sense for a 7B target;
-`conf/experiment/stories260k_cpu.yaml` is the CPU-sized preset for the embedded tiny target.
+Defaults follow the reference recipe where it makes sense for a 7B target; `conf/recipe/stories260k_cpu.yaml`
+(`+recipe=stories260k_cpu`) is the CPU-sized preset for the embedded target.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
 from dataclasses import dataclass, field
 
+from eagle_train.config.base import take_renamed
 from eagle_train.config.data import DataConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
-log = logging.getLogger(__name__)
 SOURCES = ("offline", "online")
 SCHEDULES = ("constant", "linear", "cosine")
 SCHEDULE_UNITS = ("step", "process")
@@ -99,13 +97,7 @@ class LossConfig:
     w_p: float | None = None  # deprecated alias of token_weight
 
     def __post_init__(self) -> None:
-        for old, new in (("w_v", "feature_weight"), ("w_p", "token_weight")):
-            value = getattr(self, old)
-            if value is not None:
-                warnings.warn(f"loss.{old} is deprecated: use loss.{new}", DeprecationWarning, stacklevel=2)
-                log.warning("loss.%s is deprecated, use loss.%s (taking %s=%s)", old, new, new, value)
-                setattr(self, new, float(value))
-                setattr(self, old, None)
+        take_renamed(self, {"w_v": "feature_weight", "w_p": "token_weight"}, "loss.", float)
         if self.noise is not None and self.noise not in NOISE_MODES:
             raise ValueError(f"loss.noise must be one of {NOISE_MODES}, got {self.noise!r}")
         if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
@@ -122,7 +114,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule
     loss: LossConfig = field(default_factory=LossConfig)  # loss terms and noise
     features: str | None = None  # feature store directory (offline mode)
-    out_dir: str = "runs/train/${target.name}"  # run directory: checkpoints/, final/, metrics.jsonl
+    out_dir: str = "outputs/train/${target.name}"  # run directory: checkpoints/, final/, metrics.jsonl
     # auto: continue from the newest checkpoint in out_dir that verifies, if its run had the same settings
     # (processes, grad_accum, epochs, max_steps, optimizer, data, target...) | never: start over, removing
     # the earlier run's checkpoints/, final/ and metrics.jsonl
@@ -157,7 +149,7 @@ class TrainConfig:
     eval_engine_max_new_tokens: int = 64  # tokens generated per prompt
     eval_engine_python: str | None = None  # vLLM's python (null = .venv-vllm/bin/python, `make vllm-env`)
     # the model vLLM loads as the target (null = target.path); e.g. a head_dim-32 re-expression of a target
-    # whose head_dim vLLM's CPU attention refuses (python -m eagle_train.modeling.reexpress)
+    # whose head_dim vLLM's CPU attention refuses (python -m eagle_train.interop.reexpress)
     eval_engine_target: str | None = None
     wandb: bool = False  # also log to wandb (accelerate tracker; WANDB_MODE=offline unless set)
     wandb_project: str = "eagle-train"  # wandb project name

@@ -12,7 +12,7 @@ atomically, with `<out>.stats.json` beside it: each source's path, sha256, limit
 dropped by reason, repaired) and the output's own sha256, so the mix a head was trained on can always be
 told. An existing `out` is replaced only when it is an earlier mix, unchanged since (its stats file says
 so); anything else (a dataset, a mix edited by hand, a directory) is refused unless `overwrite=true`
-(eagle_train.files.check_output_file, the rule regenerate follows too).
+(eagle_train.runtime.atomic_files.check_output_file, the rule regenerate follows too).
 
 The CPU demo regenerates a mix of TinyStories prompts and real ShareGPT prompts
 (`conf/experiment/tiny_cpu.yaml`): a head that has seen the target answer chat-style questions accepts more
@@ -36,7 +36,7 @@ from eagle_train.data.sharegpt import (
     iter_conversations,
     unique_id,
 )
-from eagle_train.files import (
+from eagle_train.runtime.atomic_files import (
     OutputError,
     atomic_write_json,
     atomic_write_lines,

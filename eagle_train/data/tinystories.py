@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eagle_train.config.base import data_path, flag_argv
 from eagle_train.data.jsonl import jsonl_records
-from eagle_train.files import atomic_write_text
+from eagle_train.runtime.atomic_files import atomic_write_text
 
 DEFAULT_SRC = data_path("tinystories/tinystories_val_head.txt")
 DEFAULT_HELD_OUT = data_path("tinystories/tinystories_prompts.jsonl")

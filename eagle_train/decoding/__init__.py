@@ -1,1 +1,2 @@
-"""Speculative decoding: draft trees (tree, expand), verification (verify), the decoder (decoder)."""
+"""Speculative decoding: draft trees (tree, expand), verification (verify), the draft side (drafter,
+lean_draft), the static KV cache (kv_cache) and the decoder (decoder)."""

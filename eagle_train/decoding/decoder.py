@@ -39,10 +39,11 @@ import torch
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
-from eagle_train.decoding.stats import GenerationStats, Stopwatch
+from eagle_train.decoding.kv_cache import StaticKVCache
+from eagle_train.decoding.stats import GenerationStats
+from eagle_train.decoding.timing import PhaseTimer
 from eagle_train.decoding.tree import Tree, chain_paths, shape_from_paths
 from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
-from eagle_train.kv_cache import StaticKVCache
 
 
 class TargetModel(Protocol):
@@ -143,7 +144,7 @@ class SpeculativeDecoder:
         if cfg.method in cfg.auto_methods:
             raise ValueError(
                 f"decode.shape=auto / decode.tree=auto: {cfg.method}'s shape is chosen from measured costs "
-                "before decoding (eagle_train.decoding.shapes.tune_shapes, as the evaluate stage does); give "
+                "before decoding (eagle_train.autotune.shapes.tune_shapes, as the evaluate stage does); give "
                 "the decoder the chosen fields, or decode.shape=fixed / decode.tree=NAME"
             )
         self.target, self.head, self.cfg = target, head, cfg
@@ -164,7 +165,6 @@ class SpeculativeDecoder:
             self._expand = self._expand_dynamic
             self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
-        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
 
     @property
     def sampling(self) -> bool:
@@ -178,9 +178,12 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt of {prompt.numel()} tokens: must be 1..{max_len - 1} (context limit)")
         stats = GenerationStats(prompt_tokens=prompt.numel())
         out = StopRules(self.cfg, prompt.numel(), max_len, self.target.stop_token_ids, self.target.tokenizer)
+        # every phase timed one way (decoding.timing): on CUDA by events, read with one sync at the end
+        self.timer = PhaseTimer(stats, self.device)
         start = time.perf_counter()
         with torch.inference_mode():  # cheaper tensor ops than no_grad; nothing here needs autograd
             self._run(prompt, out, stats)
+        self.timer.read()
         stats.time_total = time.perf_counter() - start
         stats.new_tokens = len(out.tokens)
         return GenerationResult(tokens=out.tokens, stop_reason=out.reason or "max_new_tokens", stats=stats)
@@ -194,27 +197,27 @@ class SpeculativeDecoder:
         self.cache = self.target.new_cache(self.capacity)
         # mask rows for one verification forward; a round writes its tree mask into [:q, L:L + q] and restores it
         self.mask = torch.ones(self.tree_nodes, self.capacity, dtype=torch.bool, device=self.device)
-        t0 = time.perf_counter()
+        timer = self.timer
+        prefill = timer.start()
         root, features = self._prefill(prompt)
         if out.extend([root]):
-            stats.time_prefill = time.perf_counter() - t0
+            timer.stop("time_prefill", prefill)
             return
         if self._expand is None:  # ar
-            stats.time_prefill = time.perf_counter() - t0
+            timer.stop("time_prefill", prefill)
             self._run_ar(root, out)
             return
         drafter = self._new_drafter()
         root_logp = drafter.catch_up(torch.cat([prompt[1:], prompt.new_tensor([root])]), features)
-        stats.time_prefill = time.perf_counter() - t0
-        watch = Stopwatch(stats, self._sync)
+        timer.stop("time_prefill", prefill)
         rounds: list[Round] = []
         try:
-            while (done := self._speculate(root, root_logp, drafter, watch)) is not None:
+            while (done := self._speculate(root, root_logp, drafter)) is not None:
                 rounds.append(done)
                 if out.extend(done.emitted):
                     return
                 root = done.emitted[-1]  # the bonus token: the next round's root
-                with watch("time_draft"):
+                with timer("time_draft"):
                     root_logp = drafter.catch_up(
                         torch.tensor(done.emitted, device=self.device), done.features
                     )
@@ -222,18 +225,16 @@ class SpeculativeDecoder:
         finally:
             record_rounds(rounds, stats)
 
-    def _speculate(
-        self, root: int, root_logp: torch.Tensor, drafter: Drafter, watch: Stopwatch
-    ) -> Round | None:
+    def _speculate(self, root: int, root_logp: torch.Tensor, drafter: Drafter) -> Round | None:
         """One speculative round: draft a tree below `root` (no deeper than the context allows), verify
         every node with one target forward, keep the accepted path. None when the method's smallest tree
         does not fit (the caller then finishes plainly)."""
         room = self.max_len - 1 - self.cache.seq_len  # draft positions left before the context limit
         if room < self.min_room:
             return None
-        with watch("time_draft"):
+        with self.timer("time_draft"):
             tree = self._expand(root, root_logp, drafter, room)
-        with watch("time_verify"):
+        with self.timer("time_verify"):
             logits, features = self._verify_forward(tree)
             path, bonus = self._accept(tree, logits)
             path_features = self._keep_path(path, features)
@@ -265,14 +266,12 @@ class SpeculativeDecoder:
     ):
         """(logits [q, vocab], the features the head reads [q, width]); `features=False` (plain decoding
         steps) asks for no aux hidden states."""
-        t0 = time.perf_counter()
+        start = self.timer.start()
         aux = self.aux_layers if features else None
         logits, hidden = self.target.decode(
             tokens.unsqueeze(0), positions.unsqueeze(0), mask, self.cache, aux
         )
-        if self._sync is not None:
-            self._sync()
-        self.stats.time_target_forward += time.perf_counter() - t0
+        self.timer.stop("time_target_forward", start)
         return logits[0], hidden[0]  # [q, vocab], [q, hidden]
 
     def _choose(self, logits: torch.Tensor) -> int:
@@ -337,10 +336,10 @@ class SpeculativeDecoder:
         the lean forward fuses the head's weights once, so later changes to the head are not seen)."""
         if self._drafter is None:
             self._drafter = Drafter(
-                self.head, self.capacity, self.tree_inputs, self.stats, self.cfg.lean_draft
+                self.head, self.capacity, self.tree_inputs, self.stats, self.cfg.lean_draft, self.timer
             )
         else:
-            self._drafter.reset(self.capacity, self.stats)
+            self._drafter.reset(self.capacity, self.stats, self.timer)
         return self._drafter
 
 

@@ -12,20 +12,27 @@ the root's draft state. Tree inputs then go after the committed slots (`__call__
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from eagle_train.decoding import lean_draft
+from eagle_train.decoding.kv_cache import StaticKVCache, attention_shape
 from eagle_train.decoding.stats import GenerationStats
-from eagle_train.kv_cache import StaticKVCache, attention_shape
+from eagle_train.decoding.timing import PhaseTimer
 
 
 class Drafter:
     """Runs a draft head (see `eagle_train.modeling.draft.DraftHead`) with a preallocated cache. Its calls
     run under the caller's `torch.inference_mode()` (the decoder's): no autograd context of their own."""
 
-    def __init__(self, head, capacity: int, max_tree_inputs: int, stats: GenerationStats, lean: bool = True):
+    def __init__(
+        self,
+        head,
+        capacity: int,
+        max_tree_inputs: int,
+        stats: GenerationStats,
+        lean: bool = True,
+        timer: PhaseTimer | None = None,
+    ):
         config = head.config
         param = next(head.parameters())
         self.head, self.max_tree_inputs = head, max_tree_inputs
@@ -40,12 +47,14 @@ class Drafter:
         # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
         self.lean = lean_draft.lean_forward(head) if lean else None
         self.capacity = -1
-        self.reset(capacity, stats)
+        self.reset(capacity, stats, timer)
 
-    def reset(self, capacity: int, stats: GenerationStats) -> None:
-        """Start a new generation of at most `capacity` committed pairs. The cache, mask and position
-        buffers (and the lean forward's fused weights) are kept when they are big enough."""
+    def reset(self, capacity: int, stats: GenerationStats, timer: PhaseTimer | None = None) -> None:
+        """Start a new generation of at most `capacity` committed pairs; its draft forwards are timed into
+        `stats` by `timer` (the decoder's; None: the host clock). The cache, mask and position buffers (and
+        the lean forward's fused weights) are kept when they are big enough."""
         self.stats = stats
+        self.timer = timer if timer is not None else PhaseTimer(stats)
         self.committed = 0  # pairs in the cache = position of the root token
         self.fed = 0  # tree inputs fed this round
         if capacity <= self.capacity:
@@ -67,7 +76,7 @@ class Drafter:
     def _forward(self, tokens, features, positions: slice, mask, last_only: bool = False):
         """positions: a slice of positions, one per input or one for all inputs. Returns the predicted
         features [m, hidden] and the draft log-probs [m, vocab] (of the last input only: [1, vocab])."""
-        t0 = time.perf_counter()
+        start = self.timer.start()
         if self.lean is not None:
             hidden = self.lean.forward(tokens, features, positions, mask, self.cache)
             logp = self.lean.log_probs(hidden[-1:] if last_only else hidden)
@@ -75,7 +84,7 @@ class Drafter:
             pos = self.positions[positions].expand(tokens.shape[0]).unsqueeze(0)
             hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), pos, mask, self.cache)[0]
             logp = torch.log_softmax(self.head.logits(hidden[-1:] if last_only else hidden).float(), dim=-1)
-        self.stats.time_draft_forward += time.perf_counter() - t0
+        self.timer.stop("time_draft_forward", start)
         return hidden, logp
 
     def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -94,7 +103,7 @@ class Drafter:
 
     def rewind(self, committed: int) -> None:
         """Forget the committed pairs after the first `committed` (and any tree): a cost measurement
-        times one catch-up again and again at the same position (decoding.costs)."""
+        times one catch-up again and again at the same position (autotune.costs)."""
         self.drop_tree()
         self.committed = committed
         self.cache.crop(committed)

@@ -217,7 +217,7 @@ class Candidates:
     """What one EAGLE-2 expansion drafted, before the rerank: per level (the root's children, then k * k
     per depth) the candidates' values (summed log-probs), tokens and own log-probs, the rows fed at each
     depth, and the fed inputs' ancestor mask. The first L levels of a deeper expansion are exactly the
-    candidates of an expansion of depth L - 1 (a depth's feed never looks ahead): decoding.replay reads
+    candidates of an expansion of depth L - 1 (a depth's feed never looks ahead): autotune.replay reads
     every shallower shape off one deep expansion."""
 
     plan: _DynamicPlan

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle_train.kv_cache import attention_shape
+from eagle_train.decoding.kv_cache import attention_shape
 
 _RMS_NORM = hasattr(F, "rms_norm")
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -96,30 +95,3 @@ class GenerationStats:
             tokens_per_second=self.tokens_per_second,
         )
         return data
-
-
-class Stopwatch:
-    """Accumulates elapsed seconds into a `GenerationStats` field: `with watch("time_draft"): ...`."""
-
-    def __init__(self, stats: GenerationStats, sync=None):
-        self.stats = stats
-        self.sync = sync  # e.g. torch.cuda.synchronize on a GPU; None on the CPU
-
-    def __call__(self, name: str) -> _Lap:
-        return _Lap(self, name)
-
-
-class _Lap:
-    def __init__(self, watch: Stopwatch, name: str):
-        self.watch, self.name = watch, name
-
-    def __enter__(self) -> None:
-        if self.watch.sync is not None:
-            self.watch.sync()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        if self.watch.sync is not None:
-            self.watch.sync()
-        elapsed = time.perf_counter() - self.start
-        setattr(self.watch.stats, self.name, getattr(self.watch.stats, self.name) + elapsed)

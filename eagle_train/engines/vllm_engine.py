@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_train.config.base import PACKAGE_DIR
-from eagle_train.report import add_spec_counts, spec_counts
+from eagle_train.report.results import add_spec_counts, spec_counts
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 WORKER = Path(__file__).with_name("vllm_worker.py")

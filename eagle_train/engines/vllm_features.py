@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +31,16 @@ from safetensors.torch import load_file
 
 from eagle_train.config.extract import VllmExtractConfig
 from eagle_train.engines.vllm_engine import EngineError, engine_python, failure_reason
-from eagle_train.files import partial_prefix
+from eagle_train.runtime.atomic_files import partial_prefix
 from eagle_train.store.manifest import feature_widths
-from eagle_train.store.shard import Fill
 
 WORKER = Path(__file__).with_name("vllm_extract_worker.py")
 LOG_NAME = "vllm_extract.log"
 
 
 class VllmFeatures:
-    """The features of `target` (a FrozenTarget with its final norm) computed by vLLM: `fill(rows)` gives
-    a shard writer's fill function, as the hf backend's does."""
+    """The features of `target` (a FrozenTarget with its final norm) computed by vLLM: `batches(rows)`
+    gives them chunk by chunk, as the hf backend's do."""
 
     def __init__(
         self, target, cfg: VllmExtractConfig, out_dir: Path, max_len: int, aux_layers: list[int] | None = None
@@ -149,17 +148,15 @@ class VllmFeatures:
             features["aux"] = states[:, :-1].flatten(1)  # [L, 3 * hidden]
         return features
 
-    def fill(self, rows: Sequence[dict[str, Any]], on_batch: Callable[[int, int], None]) -> Fill:
-        def fill(put) -> None:
-            for begin in range(0, len(rows), self.cfg.chunk):
-                chunk = rows[begin : begin + self.cfg.chunk]
-                prompts = [[int(t) for t in row["input_ids"]] for row in chunk]
-                for i, states in enumerate(self.states(prompts)):
-                    features = self.features(states)
-                    put(begin + i, features.pop("hidden"), **features)
-                on_batch(len(chunk), sum(len(p) for p in prompts))
-
-        return fill
+    def batches(self, rows: Sequence[dict[str, Any]]) -> Iterator[tuple[list[int], list, list | None]]:
+        """(row indices, hidden [L_i, hidden] per row, aux [L_i, 3 * hidden] per row or None) per chunk of
+        `rows` (`vllm.chunk` conversations), as the hf backend's batches."""
+        for begin in range(0, len(rows), self.cfg.chunk):
+            chunk = rows[begin : begin + self.cfg.chunk]
+            prompts = [[int(t) for t in row["input_ids"]] for row in chunk]
+            features = [self.features(states) for states in self.states(prompts)]
+            aux = [f["aux"] for f in features] if self.aux_layers else None
+            yield list(range(begin, begin + len(chunk))), [f["hidden"] for f in features], aux
 
     def close(self) -> None:
         """Stop the worker and remove its temporary files."""

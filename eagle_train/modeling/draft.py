@@ -24,9 +24,9 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from eagle_train.kv_cache import attention_shape
-from eagle_train.logits import LogitTransform
-from eagle_train.unroll import DiagonalCache
+from eagle_train.decoding.kv_cache import attention_shape
+from eagle_train.modeling.logit_transform import LogitTransform
+from eagle_train.training.ttt import DiagonalCache
 
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
@@ -195,7 +195,7 @@ class DraftHead(FrozenParts, nn.Module):
         else:
             embed, lm_head = nn.Embedding(config.vocab_size, d), nn.Linear(d, config.vocab_size, bias=False)
             self.hold_frozen(nn.ModuleDict({"embed_tokens": embed, "lm_head": lm_head}).requires_grad_(False))
-        # the target's output processing (eagle_train.logits), taken with its LM head
+        # the target's output processing (eagle_train.modeling.logit_transform), taken with its LM head
         self.logit_transform = target.logit_transform if target is not None else LogitTransform()
 
     @property

@@ -31,7 +31,7 @@ from eagle_train.modeling.draft import (
     draft_llama_config,
     frozen_modules,
 )
-from eagle_train.vocab import d2t_from_t2d, draft_ids
+from eagle_train.modeling.draft_vocab import d2t_from_t2d, draft_ids
 
 
 class Eagle3Layer(nn.Module):

@@ -28,7 +28,6 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedToken
 from transformers.utils import cached_file
 
 from eagle_train.config.target import TargetConfig
-from eagle_train.files import cached_sha256
 from eagle_train.modeling.target import (
     TargetParts,
     error_reason,
@@ -37,6 +36,7 @@ from eagle_train.modeling.target import (
     target_source,
     torch_dtype,
 )
+from eagle_train.runtime.atomic_files import cached_sha256
 
 # (file, format) in the order Hugging Face prefers them
 WEIGHT_FILES = (

@@ -45,9 +45,8 @@ from transformers import (
 from transformers import __version__ as transformers_version
 
 from eagle_train.config.base import resolve_path
-from eagle_train.config.target import TargetConfig, resolve_aux_layers
-from eagle_train.kv_cache import StaticKVCache
-from eagle_train.logits import LogitTransform
+from eagle_train.config.target import FLOAT_DTYPES, TargetConfig, resolve_aux_layers
+from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.modeling.attention_layout import (
     AttentionLayout,
     UnsupportedAttention,
@@ -56,13 +55,16 @@ from eagle_train.modeling.attention_layout import (
     attention_layout,
 )
 from eagle_train.modeling.decode_check import check_decode
+from eagle_train.modeling.logit_transform import LogitTransform
 
 log = logging.getLogger(__name__)
 # Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
 # its ancestors). flash_attention_2 reads a 4-D mask as a 2-D padding mask; the rest are not checked.
 DECODE_ATTENTION = ("eager", "sdpa")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Config fields of the logit processing a ForCausalLM applies after its LM head (see eagle_train.logits).
+TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}  # config name -> torch dtype
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # and back (config.json)
+# Config fields of the logit processing a ForCausalLM applies after its LM head
+# (see eagle_train.modeling.logit_transform).
 LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
 
 
@@ -161,7 +163,7 @@ class TargetParts:
 
     @functools.cached_property
     def logit_transform(self) -> LogitTransform:
-        """The model's own processing of its LM head's output (eagle_train.logits)."""
+        """The model's own processing of its LM head's output (eagle_train.modeling.logit_transform)."""
         return logit_transform(self.config)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_train.config.base import config_hash, flatten
-from eagle_train.files import FileFormatError, read_json
+from eagle_train.runtime.atomic_files import FileFormatError, read_json
 from eagle_train.store.codec import STORAGES, Fp8UnavailableError, Storage
 
 log = logging.getLogger(__name__)

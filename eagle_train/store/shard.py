@@ -30,7 +30,7 @@ import itertools
 import json
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,6 @@ ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U16": 2, "I32": 4, "I64": 8, "U8": 1
 ID_TAGS = ("U16", "I32")
 FEATURES = ("hidden", "aux")  # the feature tensors a shard may hold, in this order
 MAX_HEADER = 1 << 30  # a header claiming more is corrupt (a million ids take ~20 MB)
-
-Put = Callable[..., None]  # put(i, hidden, aux=None): sample i's features [L_i, width]
-Fill = Callable[[Put], None]
 
 
 class ShardError(ValueError):
@@ -92,72 +89,89 @@ def _header(shapes: dict[str, tuple[str, list[int]]], metadata: dict[str, str]) 
     return struct.pack("<Q", len(text)) + text, spans
 
 
-def write_shard_file(
-    path: str | Path,
-    ids: Sequence[str],
-    input_ids: Sequence[Sequence[int]],
-    loss_mask: Sequence[Sequence[int]],
-    widths: dict[str, int],
-    kind: Storage,
-    group: int,
-    ids_dtype: torch.dtype,
-    fill: Fill,
-    metadata: dict[str, str],
-) -> None:
-    """Write a shard file at `path` (a temporary name: the caller publishes it).
+class ShardFileWriter:
+    """One shard file at `path` (a temporary name: the caller publishes it), written push-style:
 
-    widths: feature name -> row width ({"hidden": d} or {"hidden": d, "aux": 3 * d}); `kind` how they are
-    stored, one scale per `group` values for fp8. `fill(put)` must call `put(i, hidden, aux=...)` once for
-    every sample i with its features [L_i, width] (any order, any float dtype: encoded here); the rows go
-    straight to the file."""
-    lengths = [len(x) for x in input_ids]
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)  # [n + 1]
-    tokens = int(offsets[-1])
-    shapes = {"offsets": ("I64", [len(lengths) + 1]), "input_ids": (TAGS[ids_dtype], [tokens])}
-    shapes["loss_mask"] = ("U8", [tokens])
-    for name, width in widths.items():
-        shapes[name] = (TAGS[kind.dtype], [tokens, width])
-        if kind.scaled:
-            shapes[scale_name(name)] = ("F32", [tokens, width // group])
-    head, spans = _header(shapes, {"ids": json.dumps([str(i) for i in ids]), **metadata})
-    written = np.zeros(len(lengths), dtype=bool)
-    with open(path, "wb") as f:
-        base = len(head)
-        f.write(head)
-        f.truncate(base + max(end for _, end in spans.values()))  # the feature rows are written below
+        with ShardFileWriter(path, ids, input_ids, loss_mask, widths, kind, group, ids_dtype, meta) as f:
+            f.put(i, hidden, aux=...)   # once per sample i, in any order
 
-        def write_rows(name: str, first_row: int, tensor: torch.Tensor) -> None:
-            row_bytes = int(np.prod(shapes[name][1][1:], dtype=np.int64)) * ITEMSIZE[shapes[name][0]]
-            f.seek(base + spans[name][0] + first_row * row_bytes)
-            f.write(_bytes(tensor))
+    The header, offsets, token ids and loss mask are written when it opens; `put` writes sample i's
+    features [L_i, width] (any float dtype: encoded here as `kind`, one scale per `group` values for fp8)
+    straight into their rows. widths: feature name -> row width ({"hidden": d} or {"hidden": d, "aux":
+    3 * d}). A clean exit checks that every sample got its rows and syncs the file to disk; an exception
+    only closes it."""
 
-        write_rows("offsets", 0, torch.from_numpy(offsets))
-        np_ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids])
-        write_rows("input_ids", 0, torch.from_numpy(np_ids).to(ids_dtype))
-        write_rows(
-            "loss_mask", 0, torch.from_numpy(np.concatenate([np.asarray(m, np.uint8) for m in loss_mask]))
-        )
+    def __init__(
+        self,
+        path: str | Path,
+        ids: Sequence[str],
+        input_ids: Sequence[Sequence[int]],
+        loss_mask: Sequence[Sequence[int]],
+        widths: dict[str, int],
+        kind: Storage,
+        group: int,
+        ids_dtype: torch.dtype,
+        metadata: dict[str, str],
+    ):
+        self.path, self.widths, self.kind, self.group = path, widths, kind, group
+        self.lengths = [len(x) for x in input_ids]
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]).astype(
+            np.int64
+        )  # [n + 1]
+        tokens = int(self.offsets[-1])
+        shapes = {"offsets": ("I64", [len(self.lengths) + 1]), "input_ids": (TAGS[ids_dtype], [tokens])}
+        shapes["loss_mask"] = ("U8", [tokens])
+        for name, width in widths.items():
+            shapes[name] = (TAGS[kind.dtype], [tokens, width])
+            if kind.scaled:
+                shapes[scale_name(name)] = ("F32", [tokens, width // group])
+        head, self.spans = _header(shapes, {"ids": json.dumps([str(i) for i in ids]), **metadata})
+        self.shapes, self.base = shapes, len(head)
+        self.written = np.zeros(len(self.lengths), dtype=bool)
+        self.file = open(path, "wb")
+        try:
+            self.file.write(head)
+            self.file.truncate(self.base + max(end for _, end in self.spans.values()))  # the rows go below
+            self._write_rows("offsets", 0, torch.from_numpy(self.offsets))
+            np_ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids])
+            self._write_rows("input_ids", 0, torch.from_numpy(np_ids).to(ids_dtype))
+            masks = np.concatenate([np.asarray(m, np.uint8) for m in loss_mask])
+            self._write_rows("loss_mask", 0, torch.from_numpy(masks))
+        except BaseException:
+            self.file.close()
+            raise
 
-        def put(i: int, hidden: torch.Tensor, **more: torch.Tensor) -> None:
-            given = {"hidden": hidden, **more}
-            if set(given) != set(widths):
-                raise ValueError(f"sample {i}: features {sorted(given)}, the shard holds {sorted(widths)}")
-            for name, tensor in given.items():
-                if tuple(tensor.shape) != (lengths[i], widths[name]):
-                    raise ValueError(
-                        f"sample {i}: {name} {tuple(tensor.shape)}, expected ({lengths[i]}, {widths[name]})"
-                    )
-                values, scale = encode(tensor.detach().to("cpu"), kind, group)
-                write_rows(name, int(offsets[i]), values)
-                if scale is not None:
-                    write_rows(scale_name(name), int(offsets[i]), scale)
-            written[i] = True
+    def _write_rows(self, name: str, first_row: int, tensor: torch.Tensor) -> None:
+        row_bytes = int(np.prod(self.shapes[name][1][1:], dtype=np.int64)) * ITEMSIZE[self.shapes[name][0]]
+        self.file.seek(self.base + self.spans[name][0] + first_row * row_bytes)
+        self.file.write(_bytes(tensor))
 
-        fill(put)
-        if not written.all():
-            raise ValueError(f"{path}: no hidden states for samples {np.flatnonzero(~written)[:8].tolist()}")
-        f.flush()
-        os.fsync(f.fileno())
+    def put(self, i: int, hidden: torch.Tensor, **more: torch.Tensor) -> None:
+        """Sample i's features: hidden [L_i, width] and every other feature the shard holds (aux=...)."""
+        given = {"hidden": hidden, **more}
+        if set(given) != set(self.widths):
+            raise ValueError(f"sample {i}: features {sorted(given)}, the shard holds {sorted(self.widths)}")
+        for name, tensor in given.items():
+            if tuple(tensor.shape) != (self.lengths[i], self.widths[name]):
+                expected = (self.lengths[i], self.widths[name])
+                raise ValueError(f"sample {i}: {name} {tuple(tensor.shape)}, expected {expected}")
+            values, scale = encode(tensor.detach().to("cpu"), self.kind, self.group)
+            self._write_rows(name, int(self.offsets[i]), values)
+            if scale is not None:
+                self._write_rows(scale_name(name), int(self.offsets[i]), scale)
+        self.written[i] = True
+
+    def __enter__(self) -> ShardFileWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with self.file:
+            if exc_type is None:
+                if not self.written.all():
+                    missing = np.flatnonzero(~self.written)[:8].tolist()
+                    raise ValueError(f"{self.path}: no hidden states for samples {missing}")
+                self.file.flush()
+                os.fsync(self.file.fileno())
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,4 +1,5 @@
-"""Writing a feature store: the shard plan, the output directory, shards with their sidecars, the manifest.
+"""Writing a feature store: the shard planner, the output directory, shards (`ShardWriter`) with their
+sidecars, the manifest.
 
 Layout of a store directory (written by `python -m eagle_train.extract`, read by `eagle_train.store.reader`):
 
@@ -27,15 +28,16 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from eagle_train.config.base import mismatches
-from eagle_train.files import (
+from eagle_train.runtime.atomic_files import (
     FileFormatError,
     atomic_path,
     atomic_write_json,
@@ -55,7 +57,9 @@ from eagle_train.store.manifest import (
     recorded_identity,
     store_hash,
 )
-from eagle_train.store.shard import Fill, token_dtype, write_shard_file
+from eagle_train.store.shard import ShardFileWriter, token_dtype
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -65,31 +69,39 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def shard_closes(count: int, size: int, nbytes: int, shard_samples: int | None, shard_bytes: int) -> bool:
-    """Whether a shard holding `count` samples and `size` bytes of hidden states closes before the next
-    sample (`nbytes`): it would exceed `shard_samples` or `shard_bytes` (a shard holds at least one)."""
-    return count > 0 and (
-        (shard_samples is not None and count >= shard_samples) or size + nbytes > shard_bytes
-    )
+def stream_shards(
+    items: Iterable[T],
+    tokens: Callable[[T], int],
+    bytes_per_token: int,
+    shard_samples: int | None,
+    shard_bytes: int,
+) -> Iterator[tuple[int, int, list[T]]]:
+    """The one shard planner: cut `items` (samples in data order, `tokens(item)` tokens each) into shards
+    and yield (start, stop, items) of each as soon as it is full. A shard closes before the sample that
+    would take it past `shard_samples` samples or `shard_bytes` bytes of features (a shard holds at least
+    one). A pure function of the token counts, so every process and every rerun cuts the same shards,
+    streamed (extraction) or not (`plan_shards`)."""
+    start, size, pending = 0, 0, []
+    for item in items:
+        nbytes = tokens(item) * bytes_per_token
+        full = shard_samples is not None and len(pending) >= shard_samples
+        if pending and (full or size + nbytes > shard_bytes):
+            yield start, start + len(pending), pending
+            start, size, pending = start + len(pending), 0, []
+        pending.append(item)
+        size += nbytes
+    if pending:
+        yield start, start + len(pending), pending
 
 
 def plan_shards(
     lengths: Sequence[int], bytes_per_token: int, shard_samples: int | None, shard_bytes: int
 ) -> list[tuple[int, int]]:
-    """Cut samples 0..n-1, in order, into shards [start, stop) by `shard_closes`. A pure function of the
-    lengths, so every process and every rerun gets the same plan (extraction applies the same rule as
-    the samples stream in)."""
-    plan: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, length in enumerate(lengths):
-        nbytes = length * bytes_per_token
-        if shard_closes(i - start, size, nbytes, shard_samples, shard_bytes):
-            plan.append((start, i))
-            start, size = i, 0
-        size += nbytes
-    if start < len(lengths):
-        plan.append((start, len(lengths)))
-    return plan
+    """The shards [start, stop) of samples of `lengths` tokens (`stream_shards` over a list)."""
+    return [
+        (start, stop)
+        for start, stop, _ in stream_shards(lengths, int, bytes_per_token, shard_samples, shard_bytes)
+    ]
 
 
 def prepare_out_dir(out_dir: str | Path, identity: dict[str, Any], overwrite: bool) -> None:
@@ -194,6 +206,92 @@ def _package_version() -> str:
         return "unknown"
 
 
+class ShardWriter:
+    """Shard `index` of the store at `out_dir`, written push-style as its features come:
+
+        with ShardWriter(out_dir, index, samples, dtype, vocab_size, widths, extra) as shard:
+            shard.put(rows, hidden, aux)    # rows: sample indices; hidden[k]: sample rows[k]'s features
+        shard.info                          # the sidecar
+
+    samples: dicts with "id" (str), "input_ids" (int [L]) and "loss_mask" (bool/int [L]); widths: the
+    features and their row widths ({"hidden": d}, EAGLE-3 also "aux": 3 * d); `dtype` the stored dtype
+    (eagle_train.store.codec: bfloat16 | float16 | float32 | fp8); `extra` (e.g. the sample range and
+    the store hash) goes into the sidecar. The file is written under a temporary name (its bytes:
+    eagle_train.store.shard) and published when the block ends with every sample's features, then its
+    sidecar; an error leaves nothing behind. A manifest in `out_dir` is removed first: the store is
+    incomplete until the next one is written."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        index: int,
+        samples: Sequence[dict[str, Any]],
+        dtype: str,
+        vocab_size: int,
+        widths: dict[str, int],
+        extra: dict[str, Any] | None = None,
+    ):
+        if not samples:
+            raise ValueError(f"shard {index}: no samples")
+        self.final = Path(out_dir) / shard_name(index)
+        self.index, self.samples, self.dtype, self.vocab_size = index, samples, dtype, vocab_size
+        self.widths, self.extra = widths, extra or {}
+        self.lengths = [len(s["input_ids"]) for s in samples]
+        self.info: dict[str, Any] | None = None
+
+    def __enter__(self) -> ShardWriter:
+        self._context = self._written()
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return bool(self._context.__exit__(exc_type, exc, tb))
+
+    def put(
+        self,
+        rows: Sequence[int],
+        hidden: torch.Tensor | Sequence[torch.Tensor],
+        aux: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """The features of samples `rows`: a right-padded batch (hidden [b, T, hidden], aux [b, T, 3 *
+        hidden]: row k holds sample rows[k]'s L tokens first, only those are stored) or one tensor per
+        sample (hidden[k] [L, hidden], exactly)."""
+        padded = isinstance(hidden, torch.Tensor)
+        for k, i in enumerate(rows):
+            cut = slice(self.lengths[i]) if padded else slice(None)  # a padded row's real tokens
+            more = {} if aux is None else {"aux": aux[k][cut]}
+            self._file.put(i, hidden[k][cut], **more)
+
+    @contextmanager
+    def _written(self) -> Iterator[None]:
+        (self.final.parent / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until its next manifest
+        masks = [np.asarray(s["loss_mask"], dtype=np.uint8) for s in self.samples]
+        with atomic_path(self.final) as tmp:
+            with ShardFileWriter(
+                tmp,
+                [str(s["id"]) for s in self.samples],
+                [s["input_ids"] for s in self.samples],
+                masks,
+                self.widths,
+                storage(self.dtype),
+                self.widths["hidden"],
+                token_dtype(self.vocab_size),
+                {"schema_version": str(SCHEMA_VERSION)},
+            ) as self._file:
+                yield
+            self.info = {
+                "file": self.final.name,
+                "index": self.index,
+                "num_samples": len(self.samples),
+                "num_tokens": sum(len(m) for m in masks),
+                "num_assistant_tokens": int(sum(int(m.sum()) for m in masks)),
+                "sha256": file_sha256(tmp),
+                "bytes": os.path.getsize(tmp),
+                **self.extra,
+            }
+        atomic_write_json(sidecar_path(self.final), {**self.info, "verified": stat_key(self.final)})
+
+
 def write_shard(
     out_dir: str | Path,
     index: int,
@@ -201,58 +299,17 @@ def write_shard(
     dtype: str,
     vocab_size: int,
     extra: dict[str, Any] | None = None,
-    fill: Fill | None = None,
-    widths: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Write shard `index` atomically, then its sidecar; return the sidecar (shard info).
-
-    samples: dicts with "id" (str), "input_ids" (int [L]), "loss_mask" (bool/int [L]) and the features
-    "hidden" (float [L, hidden]) and optionally "aux" (float [L, k * hidden], every sample or none); or,
-    streamed, without features: then `fill(put)` calls `put(i, hidden, aux=...)` for every sample and
-    `widths` names the features and their row widths (eagle_train.store.shard.write_shard_file). `dtype`
-    is the stored dtype (eagle_train.store.codec: bfloat16 | float16 | float32 | fp8); `extra` (e.g. the
-    sample range and the store hash) goes into the sidecar. A manifest in `out_dir` is removed first:
-    the store is incomplete until the next one is written.
-    """
-    out_dir = Path(out_dir)
+    """Write shard `index` of samples that carry their features ("hidden" [L, hidden], optionally "aux"
+    [L, k * hidden], every sample or none) with a `ShardWriter`; return its sidecar."""
     if not samples:
         raise ValueError(f"shard {index}: no samples")
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # the store is incomplete until its next manifest
-    if fill is None:
-        names = [name for name in ("hidden", "aux") if name in samples[0]]
-        widths = {name: int(torch.as_tensor(samples[0][name]).shape[-1]) for name in names}
-
-        def fill(put):
-            for i, sample in enumerate(samples):
-                put(i, **{name: torch.as_tensor(sample[name]) for name in names})
-
-    final = out_dir / shard_name(index)
-    masks = [np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]
-    with atomic_path(final) as tmp:
-        write_shard_file(
-            tmp,
-            [str(s["id"]) for s in samples],
-            [s["input_ids"] for s in samples],
-            masks,
-            widths,
-            storage(dtype),
-            widths["hidden"],
-            token_dtype(vocab_size),
-            fill,
-            {"schema_version": str(SCHEMA_VERSION)},
-        )
-        info = {
-            "file": final.name,
-            "index": index,
-            "num_samples": len(samples),
-            "num_tokens": sum(len(m) for m in masks),
-            "num_assistant_tokens": int(sum(int(m.sum()) for m in masks)),
-            "sha256": file_sha256(tmp),
-            "bytes": os.path.getsize(tmp),
-            **(extra or {}),
-        }
-    atomic_write_json(sidecar_path(final), {**info, "verified": stat_key(final)})
-    return info
+    names = [name for name in ("hidden", "aux") if name in samples[0]]
+    widths = {name: int(torch.as_tensor(samples[0][name]).shape[-1]) for name in names}
+    features = {name: [torch.as_tensor(s[name]) for s in samples] for name in names}
+    with ShardWriter(out_dir, index, samples, dtype, vocab_size, widths, extra) as shard:
+        shard.put(range(len(samples)), features["hidden"], features.get("aux"))
+    return shard.info
 
 
 def stat_key(file: Path) -> dict[str, int]:

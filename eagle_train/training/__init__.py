@@ -1,1 +1,2 @@
-"""The pieces of the training stage: data plans and collation, optimizer and schedule, checkpoints."""
+"""The training stage's pieces: the loss and its held-out metrics (loss, metrics, ttt: EAGLE-3's
+training-time test), data plans and collation, optimizer and schedule, run checkpoints and resume."""

@@ -11,7 +11,7 @@ The path of a micro-batch: `step_schedule` (the epoch plans, in the order the lo
 batch sampler of a `torch.utils.data.DataLoader`, whose workers read the samples and `pad_samples` them
 (stored dtype, right padding) while the device computes; `head_batch` then moves the padded batch to the
 device, decodes the features there (or runs the target there: online) and shifts it
-(eagle_train.loss.shift_batch). Nothing is upcast on the host.
+(eagle_train.training.loss.shift_batch). Nothing is upcast on the host.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from eagle_train.data.batching import bucket_batches, cut_batches
 from eagle_train.data.sharegpt import is_eval_id
-from eagle_train.loss import shift_batch
 from eagle_train.store.codec import decode
+from eagle_train.training.loss import shift_batch
 
 FEATURES = ("hidden", "aux")  # feature keys a sample may carry (each with an optional "<key>_scale")
 
@@ -118,8 +118,8 @@ def head_batch(
     dtype: torch.dtype,
     features_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A padded host batch -> the head's batch on `device` (eagle_train.loss.shift_batch), features in
-    `dtype` (the head's parameter dtype: fp32 under DDP / autocast, bf16 under DeepSpeed bf16).
+    """A padded host batch -> the head's batch on `device` (eagle_train.training.loss.shift_batch),
+    features in `dtype` (the head's parameter dtype: fp32 under DDP / autocast, bf16 under DeepSpeed bf16).
 
     Stored features are decoded on the device; online (`features_fn(ids [b, T], attention [b, T]) ->
     {"hidden" [b, T, d], "aux" [b, T, 3d] (EAGLE-3 only)}`, the frozen target) they are computed there

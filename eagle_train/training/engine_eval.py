@@ -21,12 +21,12 @@ from eagle_train.config.train import TrainConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import counts_acceptance, counts_tau
 from eagle_train.engines.vllm_engine import run_vllm, speculative_config
-from eagle_train.modeling.checkpoint import CONFIG_NAME
+from eagle_train.interop.layouts import export_head
+from eagle_train.interop.reexpress import widen_head
 from eagle_train.modeling.draft import DraftHead
-from eagle_train.modeling.interop import export_head
-from eagle_train.modeling.reexpress import widen_head
+from eagle_train.modeling.head_checkpoint import CONFIG_NAME
 from eagle_train.modeling.target import Target
-from eagle_train.report import spec_counts
+from eagle_train.report.results import spec_counts
 
 
 def held_out_prompts(source, indices: list[int], count: int) -> list[list[int]]:

@@ -13,13 +13,13 @@ import torch
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.draft import DraftConfig
-from eagle_train.modeling.checkpoint import load_head
+from eagle_train.interop.layouts import warn_other_target
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.draft_vocab import count_assistant_tokens, default_draft_vocab_size, top_tokens
 from eagle_train.modeling.eagle3 import Eagle3Head
-from eagle_train.modeling.interop import warn_other_target
+from eagle_train.modeling.head_checkpoint import load_head
 from eagle_train.modeling.target import TargetParts
 from eagle_train.training.data import Source
-from eagle_train.vocab import count_assistant_tokens, default_draft_vocab_size, top_tokens
 
 
 def draft_vocabulary(source: Source, indices: Sequence[int], vocab_size: int, size: int) -> torch.Tensor:

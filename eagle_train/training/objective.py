@@ -3,7 +3,7 @@
 An objective turns a collated micro-batch into named SUMS (loss terms with gradients, counts without)
 and forms the loss from the sums and the GLOBAL normalisers of the optimizer step (all micro-batches,
 all processes), so the loss does not depend on how a step is split. The pure formulas live in
-`eagle_train.loss`; the unroll of EAGLE-3's training-time test in `eagle_train.unroll`.
+`eagle_train.training.loss`; the unroll of EAGLE-3's training-time test in `eagle_train.training.ttt`.
 
     objective.prepare(batch)              derived no-grad fields (EAGLE-3: the target's greedy tokens)
     objective.normalisers(batch)          [c] this micro-batch's share of the step's normalisers
@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 
 from eagle_train.config.train import LossConfig
-from eagle_train.logits import LogitTransform
-from eagle_train.loss import (
+from eagle_train.modeling.logit_transform import LogitTransform
+from eagle_train.training.loss import (
     add_feature_noise,
     combine_terms,
     combine_ttt_terms,
@@ -29,7 +29,7 @@ from eagle_train.loss import (
     ttt_loss_sums,
     ttt_target_probs,
 )
-from eagle_train.unroll import unroll
+from eagle_train.training.ttt import unroll
 
 
 class Objective(Protocol):

@@ -32,7 +32,7 @@ def checkpoint_identity(target: TargetParts, hf_config) -> dict[str, Any]:
 
 
 def source_identity(target: TargetParts, hf_config, data: dict[str, Any]) -> dict[str, Any]:
-    """The data and target part of a run's identity (training/checkpoint.py: run_identity)."""
+    """The data and target part of a run's identity (training/resume.py: run_identity)."""
     return {
         "data": data,
         "target": {

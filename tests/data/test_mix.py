@@ -8,7 +8,7 @@ import pytest
 
 from eagle_train.data.mix import main, mix_conversations, parse_source
 from eagle_train.data.sharegpt import DataError, load_sharegpt
-from eagle_train.files import OutputError, file_sha256
+from eagle_train.runtime.atomic_files import OutputError, file_sha256
 from tests.conftest import DATA
 
 STORIES = DATA / "tinystories" / "tinystories_sharegpt.jsonl"  # JSONL, from/value, with replies

@@ -130,7 +130,7 @@ def _tinystories_rows(target, seq_len: int = 128) -> torch.Tensor:
 
 
 def _tinystories_vocabulary(target, size: int) -> torch.Tensor:
-    from eagle_train.vocab import count_assistant_tokens, top_tokens
+    from eagle_train.modeling.draft_vocab import count_assistant_tokens, top_tokens
 
     rows = _tinystories_rows(target)
     counts = count_assistant_tokens(

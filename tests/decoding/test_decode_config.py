@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from eagle_train.cli import compose
 from eagle_train.config import to_schema
 from eagle_train.config.base import CONF_DIR
 from eagle_train.config.decode import DecodeConfig, load_tree_paths
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.decoding.tree import shape_from_paths
-from eagle_train.entry import compose
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml")))
@@ -55,3 +55,30 @@ def test_sampling_draws_chain_and_eagle1_children_from_the_draft_by_default():
     than the top-k at temperature 0.7 and 1.0, chain and EAGLE-1 alike); greedy decoding ignores it."""
     assert DecodeConfig().sample_children is True
     assert to_schema(compose("evaluate", ["draft.path=x"]), EvaluateConfig).decode.sample_children is True
+
+
+@pytest.mark.parametrize(
+    "given, auto",
+    [
+        ([], ("chain", "eagle2", "eagle1")),
+        (["decode.depth=5"], ("chain", "eagle1")),  # the default value, given: EAGLE-2 pinned
+        (["decode.chain_length=4"], ("eagle2", "eagle1")),
+        (["decode.total_tokens=60", "decode.tree=mc_sim_7b_63"], ("chain",)),
+        (["decode.shape=fixed"], ("eagle1",)),
+    ],
+)
+def test_a_shape_field_given_is_honoured_even_at_its_default(given, auto):
+    """decode.shape=auto chooses only what was not given: a field set on the command line pins its method's
+    shape even when it equals the default (the method's other fields take their defaults)."""
+    cfg = to_schema(compose("evaluate", ["draft.path=x", *given]), EvaluateConfig)
+    assert cfg.decode.auto_methods == auto
+    if "eagle2" not in auto:
+        assert (cfg.decode.depth, cfg.decode.top_k, cfg.decode.total_tokens) == (5, 10, 60)
+    assert DecodeConfig(shape="auto", depth=5).auto_methods == ("chain",)
+    assert DecodeConfig(shape="auto", depth=5, top_k=4).total_tokens == 60
+
+
+def test_vllm_s_chain_is_pinned_at_its_length():
+    """engine=vllm compares vLLM's chain of decode.chain_length with the built-in one: never tuned."""
+    cfg = to_schema(compose("evaluate", ["draft.path=x", "engine=vllm"]), EvaluateConfig)
+    assert cfg.decode.chain_length == 4 and "chain" not in cfg.decode.auto_methods

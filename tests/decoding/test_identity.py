@@ -48,7 +48,7 @@ def test_bf16_tree_and_one_token_forwards_differ_only_at_near_ties(bf16_target):
     """The premise and the classification on real bf16 logits: one forward over 60 draft positions (what a
     chain verification computes) and 60 one-token forwards (plain decoding) over the same tokens give
     different logits; wherever their argmax differs, the two tokens are a near-tie."""
-    from eagle_train.checks import tree_versus_one_token
+    from eagle_train.diagnostics.gpu_checks import tree_versus_one_token
 
     target = bf16_target
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=61))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.decoding.lean_draft import LeanDraft, supports
-from eagle_train.kv_cache import StaticKVCache
 from eagle_train.modeling.draft import DraftHead
 
 

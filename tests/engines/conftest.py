@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.train import TrainConfig
 from eagle_train.engines.vllm_engine import DEFAULT_PYTHON
-from eagle_train.entry import compose
-from eagle_train.modeling.checkpoint import load_head
-from eagle_train.modeling.reexpress import widen_model_dir
+from eagle_train.interop.reexpress import widen_model_dir
+from eagle_train.modeling.head_checkpoint import load_head
 from eagle_train.modeling.target import load_target
 from tests.conftest import REPO_ROOT
 

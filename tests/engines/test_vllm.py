@@ -35,7 +35,7 @@ from eagle_train.engines.vllm_engine import (
 from eagle_train.evaluate import answer_record
 from eagle_train.evaluate import run as evaluate
 from eagle_train.export import run as export
-from eagle_train.report import spec_counts
+from eagle_train.report.results import spec_counts
 from tests.conftest import REPO_ROOT
 from tests.engines.conftest import HEAD_DIM, MAX_NEW_TOKENS, WORK, fresh_dir, read_json, run_in_vllm
 
@@ -271,9 +271,9 @@ def test_evaluate_engine_vllm_writes_both_engines(engine_python, target_cfg, wid
 def test_training_logs_the_engines_acceptance(engine_python, wide_target_dir, trained_ckpt):
     """eval_engine=vllm every 2 steps: engine/vllm_* beside eval/accept_len in metrics.jsonl, equal to the
     built-in chain decoder's on the same held-out prompts."""
+    from eagle_train.cli import compose
     from eagle_train.config.base import to_schema
     from eagle_train.config.train import TrainConfig
-    from eagle_train.entry import compose
     from eagle_train.train import run as train
 
     out = fresh_dir("train_eval_engine")

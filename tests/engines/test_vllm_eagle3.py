@@ -12,14 +12,14 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.export import ExportConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.engines.vllm_engine import agreement_problems, check_agreement, speculative_config
-from eagle_train.entry import compose
 from eagle_train.export import run as export
-from eagle_train.modeling.checkpoint import load_head
-from eagle_train.report import spec_counts
+from eagle_train.modeling.head_checkpoint import load_head
+from eagle_train.report.results import spec_counts
 from tests.engines.conftest import HEAD_DIM, WORK, fresh_dir, read_json, run_in_vllm
 from tests.engines.test_vllm import KS, builtin_chain, record_figures
 

@@ -22,8 +22,8 @@ from eagle_train.engines.vllm_engine import (
     split_log,
 )
 from eagle_train.engines.vllm_worker import RUN_MARK as WORKER_RUN_MARK
-from eagle_train.report import spec_counts
-from eagle_train.report_engines import engine_section
+from eagle_train.report.engine_section import engine_section
+from eagle_train.report.results import spec_counts
 
 # two greedy answers of the built-in chain decoder, K = 3: rounds accepted 2, 0, 3 and 1, 1
 BUILTIN = [

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.extract import ExtractConfig
-from eagle_train.entry import compose
 from eagle_train.extract import run as extract
 from eagle_train.store.reader import FeatureStore
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_train.kv_cache import StaticKVCache
+from eagle_train.decoding.kv_cache import StaticKVCache
+from eagle_train.modeling.draft_vocab import d2t_from_t2d
 from eagle_train.modeling.eagle3 import Eagle3Head
-from eagle_train.vocab import d2t_from_t2d
 from tests.reference import eagle3_reference_logits, tiny_head_config
 
 CONFIG = tiny_head_config(50, rms_norm_eps=1e-6, rope_theta=10000.0)

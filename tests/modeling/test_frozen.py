@@ -85,7 +85,7 @@ def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
 def test_the_weight_files_identity_reads_no_tensor(sharded, monkeypatch):
     """Issue 26.1: the identity covers every weight file (decoder layers included) and offline training's
     frozen parts compute it from the files' bytes alone: no tensor read, no decoder built."""
-    from eagle_train.files import file_sha256
+    from eagle_train.runtime.atomic_files import file_sha256
 
     cfg = TargetConfig(name="tiny", path=str(sharded), dtype="float32")
     parts = load_frozen_target(cfg)

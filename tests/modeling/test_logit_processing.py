@@ -26,10 +26,10 @@ from eagle_train.config.target import TargetConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.stats import GenerationStats
-from eagle_train.logits import LogitTransform
-from eagle_train.loss import eagle_loss_sums
 from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.logit_transform import LogitTransform
 from eagle_train.modeling.target import check_output_logits, load_target
+from eagle_train.training.loss import eagle_loss_sums
 from tests.conftest import STORIES260K, TINY_SHAPE
 
 SHAPE = dict(**TINY_SHAPE, head_dim=8, max_position_embeddings=128)

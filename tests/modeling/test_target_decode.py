@@ -65,7 +65,8 @@ def test_flash_attention_target_decodes_through_sdpa(target_cfg, target):
     """A target loaded with flash_attention_2 cannot take the tree's 4-D mask (flash reads it as a padding
     mask): decode-time forwards run sdpa instead, bit for bit the sdpa target's, and the model keeps its
     own implementation for everything else. (flash_attn cannot load on a CPU: the attribute is set here
-    as loading with it sets it; eagle_train.checks.flash_attention_decoding checks the real kernel.)"""
+    as loading with it sets it; eagle_train.diagnostics.gpu_checks.flash_attention_decoding checks the real
+    kernel.)"""
     from eagle_train.config.decode import DecodeConfig
     from eagle_train.decoding.decoder import SpeculativeDecoder
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle_train.loss import shift_sequence
 from eagle_train.store.codec import decode, encode, storage
 from eagle_train.training.data import collate, head_batch, pad_samples, plan_epoch, split_by_id, step_schedule
+from eagle_train.training.loss import shift_sequence
 
 
 def test_batch_plans_cover_the_split_once_and_respect_the_budget():
@@ -70,7 +70,8 @@ def test_collate_pads_right_and_masks_padding():
 
 
 def test_head_batch_is_each_sequence_shifted_alone_then_padded():
-    """The batched shift (eagle_train.loss.shift_batch) equals shift_sequence per row, padded after."""
+    """The batched shift (eagle_train.training.loss.shift_batch) equals shift_sequence per row, padded
+    after."""
     gen = torch.Generator().manual_seed(0)
     samples = [
         {

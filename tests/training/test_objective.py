@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig
 
 from eagle_train.config.train import LossConfig
-from eagle_train.logits import LogitTransform
 from eagle_train.modeling.eagle3 import Eagle3Head
+from eagle_train.modeling.logit_transform import LogitTransform
 from eagle_train.training.data import collate
 from eagle_train.training.objective import Eagle3Objective
 from tests.reference import dense_unroll

@@ -26,9 +26,9 @@ def test_the_reference_recipe_reproduces_its_accelerate_prepared_scheduler(proce
     the same step for step; the warmup leads by one optimizer step (no step at lr 0)."""
     from transformers import get_linear_schedule_with_warmup
 
+    from eagle_train.cli import compose
     from eagle_train.config.base import to_schema
     from eagle_train.config.train import TrainConfig
-    from eagle_train.entry import compose
 
     cfg = to_schema(compose("train", ["features=x", "+recipe=eagle_reference"]), TrainConfig)
     assert cfg.optim.weight_decay == 0.01 and cfg.loss.noise == "length_scaled"

@@ -1,0 +1,108 @@
+"""The Hydra edge of every stage: `@hydra.main` -> the stage's `run(cfg)` with its typed config.
+
+Each stage's dataclass schema (eagle_train.config) is registered in Hydra's ConfigStore as
+`<stage>_schema` and named first in `conf/<stage>.yaml`'s defaults list, so the dataclass holds every
+default and its one-line docs, the YAML holds real overrides only, and a command-line key is checked
+against the schema (`target.revision=main` works without `+`; a misspelt key fails before anything
+runs). Hydra never changes the working directory and writes no output directory of its own
+(`conf/base/hydra.yaml`), so under `accelerate launch` every process agrees on `out_dir`.
+
+`stage_lock` is every writing stage's exclusive lock on its output (eagle_train.runtime.output_lock), made
+to work under `accelerate launch`: the main process takes it and every process learns the outcome.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import hydra
+from accelerate.utils import broadcast_object_list
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from eagle_train.config.base import CONF_DIR, renamed_overrides, to_schema
+from eagle_train.config.evaluate import EvaluateConfig
+from eagle_train.config.export import ExportConfig
+from eagle_train.config.extract import ExtractConfig
+from eagle_train.config.pipeline import PipelineConfig
+from eagle_train.config.regenerate import RegenerateConfig
+from eagle_train.config.train import TrainConfig
+from eagle_train.runtime.output_lock import OutputLock
+
+SCHEMAS: dict[str, type] = {
+    "extract": ExtractConfig,
+    "train": TrainConfig,
+    "evaluate": EvaluateConfig,
+    "regenerate": RegenerateConfig,
+    "export": ExportConfig,
+    "pipeline": PipelineConfig,
+}
+
+
+def register_schemas() -> None:
+    """Put every stage schema in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    for name, schema in SCHEMAS.items():
+        store.store(name=f"{name}_schema", node=schema)
+
+
+register_schemas()
+
+
+def stage_main(stage: str, run: Callable[[Any], Any]) -> Callable[[], None]:
+    """The `main()` of a stage module: parse the command line with Hydra (renamed keys under their new
+    names, eagle_train.config.base.RENAMED_KEYS), call `run(typed_config)`."""
+
+    @hydra.main(config_path=str(CONF_DIR), config_name=stage, version_base="1.3")
+    def hydra_main(cfg: DictConfig) -> None:
+        run(to_schema(cfg, SCHEMAS[stage]))
+
+    def main() -> None:
+        sys.argv[1:] = renamed_overrides(stage, sys.argv[1:])
+        hydra_main()
+
+    return main
+
+
+def compose(stage: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """The DictConfig a stage would see for these command-line overrides (tests, scripts)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=stage, overrides=renamed_overrides(stage, overrides))
+
+
+def on_main(accelerator, fn: Callable[[], Any]) -> Any:
+    """Run `fn()` on the main process only (all of them without an accelerator); an exception raised
+    there is raised on every process, so none is left waiting in a collective call. Returns fn's result
+    on the main process, None elsewhere."""
+    result, error = None, None
+    if accelerator is None or accelerator.is_main_process:
+        try:
+            result = fn()
+        except Exception as err:  # re-raised below, on every process
+            error = err
+    if accelerator is not None and accelerator.num_processes > 1:
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise error
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return result
+
+
+@contextmanager
+def stage_lock(output: str | Path, stage: str, accelerator=None) -> Iterator[None]:
+    """Hold the exclusive lock on `output` for the body (LockedError naming the holder if another run
+    has it). With an `accelerate.Accelerator` of several processes the main process takes it (`on_main`),
+    so every process of a refused launch stops with the same message."""
+    lock = on_main(accelerator, lambda: OutputLock(output, stage).acquire())
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

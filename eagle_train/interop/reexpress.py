@@ -1,0 +1,199 @@
+"""The same Llama with a larger head_dim: an exact re-expression for engines that refuse small heads.
+
+vLLM's CPU attention runs head sizes 32, 64, 80, ... only; stories260K has head_dim 8. A Llama with
+head_dim D is the same function with head_dim N = r * D when, per head (q, k and v alike):
+
+- rotary dimension j < D/2 moves to slot r*j and its partner j + D/2 to N/2 + r*j: RoPE (rotate_half)
+  pairs slot i with i + N/2 and turns it at base^(-2i/N), so slot r*j turns at base^(-2j/D), the
+  original frequency, together with its original partner;
+- every other slot of q, k and v is zero (a rotation of zeros is zero; zeros add nothing to q.k or to
+  the attention output);
+- o_proj's input columns move the same way;
+- q is scaled by sqrt(r), so the softmax scale 1/sqrt(N) gives q.k/sqrt(D) as before (r = 4: a factor
+  2, exact in floating point).
+
+`widen_state` applies this to any state dict (a target's `model.layers.N.self_attn.*` or a draft head's
+`layers.N.self_attn.*`, an EAGLE-3 head's `midlayer.self_attn.*`); `widen_model_dir` writes a re-expressed target directory (config, weights,
+tokenizer); `widen_head` returns a re-expressed draft head. Only RoPE whose frequencies depend on the
+frequency alone (default, linear, llama3) re-expresses exactly; others are refused.
+
+    python -m eagle_train.interop.reexpress [SRC] OUT [--head-dim 32]     (SRC: the default target)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.eagle3 import Eagle3Head
+from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from eagle_train.runtime.atomic_files import atomic_write_dir
+
+ATTENTION_KEY = re.compile(r"(^|\.)self_attn\.([qkvo])_proj\.(weight|bias)$")
+EXACT_ROPE_TYPES = ("default", "linear", "llama3")
+# files of a model directory that describe the tokenizer and generation, copied as they are
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def rotary_slots(head_dim: int, new_head_dim: int) -> torch.Tensor:
+    """[head_dim] the slot of each original dimension in a head of `new_head_dim`."""
+    if head_dim % 2 or new_head_dim % head_dim:
+        raise ValueError(f"head_dim {new_head_dim} is not an even multiple of {head_dim}")
+    r, half = new_head_dim // head_dim, head_dim // 2
+    j = torch.arange(half)
+    return torch.cat([r * j, new_head_dim // 2 + r * j])
+
+
+def _spread(tensor: torch.Tensor, dim: int, head_dim: int, new_head_dim: int) -> torch.Tensor:
+    """Move the per-head blocks of `tensor` along `dim` ([heads * head_dim]) into zero-filled heads of
+    `new_head_dim` at `rotary_slots`."""
+    moved = tensor.movedim(dim, 0)  # [heads * head_dim, ...]
+    heads = moved.shape[0] // head_dim
+    out = moved.new_zeros(heads, new_head_dim, *moved.shape[1:])
+    out[:, rotary_slots(head_dim, new_head_dim)] = moved.reshape(heads, head_dim, *moved.shape[1:])
+    return out.reshape(heads * new_head_dim, *moved.shape[1:]).movedim(0, dim)
+
+
+@torch.no_grad()
+def widen_state(state: dict[str, torch.Tensor], head_dim: int, new_head_dim: int) -> dict[str, torch.Tensor]:
+    """A new state dict: every attention projection re-expressed with `new_head_dim` (others shared)."""
+    scale = math.sqrt(new_head_dim / head_dim)
+    out = {}
+    for key, value in state.items():
+        match = ATTENTION_KEY.search(key)
+        if match is None:
+            out[key] = value
+            continue
+        proj, kind = match.group(2), match.group(3)
+        if proj == "o":  # [hidden, heads * head_dim]: its input columns move; its bias is per output
+            out[key] = value if kind == "bias" else _spread(value, 1, head_dim, new_head_dim)
+            continue
+        wide = _spread(value.double() if proj == "q" else value, 0, head_dim, new_head_dim)
+        out[key] = (wide * scale).to(value.dtype) if proj == "q" else wide
+    return out
+
+
+def check_exact(config: dict[str, Any]) -> int:
+    """The config's head_dim, after refusing what the re-expression cannot keep exact."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in EXACT_ROPE_TYPES:
+        raise ValueError(
+            f"RoPE type {rope_type!r} depends on head_dim itself: the re-expression would not be "
+            f"exact (supported: {EXACT_ROPE_TYPES})"
+        )
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings cannot be re-expressed with this mapping")
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def widened_config(config: dict[str, Any], new_head_dim: int) -> dict[str, Any]:
+    """config.json of the re-expressed model: head_dim changed, where it came from recorded."""
+    head_dim = check_exact(config)
+    return {
+        **config,
+        "head_dim": new_head_dim,
+        "eagle_train_reexpressed": {"head_dim": head_dim, "new_head_dim": new_head_dim},
+    }
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors (one file or an index of shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for f in files for k, v in load_file(str(path / f)).items()}
+    if (path / WEIGHTS_NAME).is_file():
+        return load_file(str(path / WEIGHTS_NAME))
+    raise FileNotFoundError(
+        f"{path}: no {WEIGHTS_NAME} (safetensors weights are needed to re-express a model)"
+    )
+
+
+def widen_model_dir(source: str | Path, out_dir: str | Path, new_head_dim: int = 32) -> Path:
+    """Write the Llama at `source` re-expressed with `new_head_dim` to `out_dir` (atomically): config.json,
+    one model.safetensors, the tokenizer and generation files as they are."""
+    source, out_dir = Path(source), Path(out_dir)
+    config = json.loads((source / CONFIG_NAME).read_text())
+    if config.get("model_type") != "llama":
+        raise ValueError(
+            f"{source}: model_type {config.get('model_type')!r}; only Llama models are re-expressed"
+        )
+    head_dim = check_exact(config)
+    new_config = widened_config(config, new_head_dim)
+    new_config["eagle_train_reexpressed"]["source"] = str(source)
+    state = widen_state(read_model_weights(source), head_dim, new_head_dim)
+
+    def write(tmp: Path) -> None:
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"}
+        )
+        (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+        for name in SIDE_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+
+    atomic_write_dir(out_dir, write)
+    return out_dir
+
+
+@torch.no_grad()
+def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | Eagle3Head:
+    """The draft head (EAGLE-1/2 or EAGLE-3: its midlayer's attention the same way) re-expressed with
+    `new_head_dim` (same outputs; `head` itself if it has that head_dim)."""
+    config_dict = head.config.to_dict()
+    head_dim = check_exact(config_dict)
+    if head_dim == new_head_dim:
+        return head
+    config = LlamaConfig(**{**config_dict, "head_dim": new_head_dim})
+    wide = (
+        head.with_config(config)
+        if head.kind == "eagle3"
+        else DraftHead(config, fc_bias=head.fc.bias is not None, target=head)
+    )
+    wide.load_state_dict(widen_state(head.trainable_state_dict(), head_dim, new_head_dim), strict=False)
+    return wide.to(head.fc.weight.dtype).train(head.training)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle_train.config.base import resolve_path, to_schema
+    from eagle_train.config.target import TargetConfig
+    from eagle_train.modeling.target import target_source
+
+    parser = argparse.ArgumentParser(description="Re-express a Llama exactly with a larger head_dim.")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="[SRC] OUT",
+        help="source model directory (default: the default target) and the directory to write",
+    )
+    parser.add_argument("--head-dim", type=int, default=32)
+    args = parser.parse_args(argv)
+    if len(args.paths) > 2:
+        parser.error("give at most SRC and OUT")
+    source = args.paths[0] if len(args.paths) == 2 else target_source(to_schema({}, TargetConfig))
+    out = widen_model_dir(resolve_path(source) or source, args.paths[-1], args.head_dim)
+    print(f"wrote {out} (head_dim {args.head_dim})")
+
+
+if __name__ == "__main__":
+    main()
