@@ -3,13 +3,13 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
   0 foundation   config/*, files, lock, allocator        stdlib, omegaconf
-  1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
-                 data/jsonl, data/templates
+  1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines,
+                 report_shapes, report_serving, data/batching, data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
                  importers besides stages), store/* (the feature store), engines/* (a serving engine in
-                 its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
-                 engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)   + safetensors
+                 its own environment; engines/vllm_worker and engines/vllm_cli run there: stdlib +
+                 vllm only, and engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)   + safetensors
   3 stage pieces training/*, checks                     torch only (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, entry (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `entry`.
@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, int]] = [
     ("decoding", 1),
     ("report_engines", 1),
     ("report_shapes", 1),
+    ("report_serving", 1),
     ("report", 1),
     ("data.batching", 1),
     ("data.jsonl", 1),
@@ -64,7 +65,9 @@ EXTRA = {
     "report": {"matplotlib"},
     "report_engines": {"matplotlib"},
     "report_shapes": {"matplotlib"},
+    "report_serving": {"matplotlib"},
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
+    "engines.vllm_cli": {"vllm"},  # likewise: the `vllm` command
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},
     "data": {"datasets"},
@@ -147,7 +150,11 @@ def test_the_root_shim_only_calls_the_train_stage():
 
 @pytest.mark.parametrize(
     "worker, allowed",
-    [("engines.vllm_worker", {"vllm"}), ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors"})],
+    [
+        ("engines.vllm_worker", {"vllm"}),
+        ("engines.vllm_cli", {"vllm"}),
+        ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors"}),
+    ],
 )
 def test_the_vllm_workers_import_only_what_vllm_s_environment_has(worker, allowed):
     """They run in vLLM's own environment, where this package is not installed (torch and safetensors
