@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle_train.config.evaluate import EvaluateConfig
-from eagle_train.engines.vllm_engine import engine_python, speculative_config
+from eagle_train.engines.vllm_engine import EngineError, engine_python, speculative_config
 from eagle_train.engines.vllm_server import free_port, run_serving_benchmark, serve_command, vllm_server
 from eagle_train.files import atomic_write_text
 from eagle_train.report_serving import HEAD, PLAIN, SERVERS, compare_answers, serving_section
@@ -68,6 +68,7 @@ def write_requests(texts: list[str], count: int, path: Path) -> list[str]:
 
 
 def result_file(out_dir: Path, server: str, concurrency: int) -> Path:
+    """Where vLLM writes the result of one (server, level)."""
     return out_dir / f"{server}-c{concurrency}.json"
 
 
@@ -97,7 +98,7 @@ def bench_level(
     )
     sent = len(result.get("generated_texts") or [])
     if sent != plan.num_prompts:
-        raise ValueError(
+        raise EngineError(
             f"{path}: vLLM's benchmark sent {sent} requests, not {plan.num_prompts}: its sharegpt loader "
             f"dropped prompts (it keeps {MIN_PROMPT_TOKENS}-{MAX_PROMPT_TOKENS} tokens, prompt + output <= "
             f"{MAX_TOTAL_TOKENS})"
@@ -192,6 +193,24 @@ def text_classifier(
     return classify
 
 
+def serve_commands(cfg: EvaluateConfig, target: Target, spec: dict[str, Any]) -> dict[str, Callable]:
+    """Server name -> port -> the `vllm serve` command of the target, without the head and with `spec`."""
+    python = engine_python(cfg.engine_python)
+
+    def command(speculative: dict | None) -> Callable[[int], list[str]]:
+        return lambda port: serve_command(
+            python,
+            target.source,
+            port,
+            dtype=cfg.target.dtype,
+            max_model_len=target.max_len,
+            speculative=speculative,
+            extra_args=cfg.engine_serve_args,
+        )
+
+    return {PLAIN: command(None), HEAD: command(spec)}
+
+
 def serving_sweep(
     cfg: EvaluateConfig,
     target: Target,
@@ -204,40 +223,28 @@ def serving_sweep(
     servers started here (the target, and the target with the head exported to `head_dir`) or on
     engine_plain_url / engine_url; returns the report's serving section (eagle_train.report_serving)."""
     texts, notes = serving_prompts(records, target.tokenizer, cfg.decode.max_new_tokens)
-    levels = list(cfg.engine_concurrency)
-    count = cfg.engine_num_prompts or max(len(texts), max(levels))
+    if not texts:
+        raise EngineError("no prompt left for vLLM's serving benchmark: " + "; ".join(notes))
+    count = cfg.engine_num_prompts or max(len(texts), max(cfg.engine_concurrency))
     work = out / "serving"
     prompts = write_requests(texts, count, work / "requests.json")
     plan = SweepPlan(
-        levels, count, cfg.decode.max_new_tokens, target.stop_token_ids, target.source, cfg.warmup
+        list(cfg.engine_concurrency),
+        count,
+        cfg.decode.max_new_tokens,
+        target.stop_token_ids,
+        target.source,
+        cfg.warmup,
     )
-    urls, commands = None, None
-    if cfg.engine_url:
-        urls = {PLAIN: cfg.engine_plain_url, HEAD: cfg.engine_url}
-    else:
-        python = engine_python(cfg.engine_python)
-        spec = speculative_config(head_dir, cfg.decode.chain_length)
-
-        def command(speculative: dict | None) -> Callable[[int], list[str]]:
-            return lambda port: serve_command(
-                python,
-                target.source,
-                port,
-                dtype=cfg.target.dtype,
-                max_model_len=target.max_len,
-                speculative=speculative,
-                extra_args=cfg.engine_serve_args,
-            )
-
-        commands = {PLAIN: command(None), HEAD: command(spec)}
+    spec = None if cfg.engine_url else speculative_config(head_dir, cfg.decode.chain_length)
     load_before = os.getloadavg()[0]
     results = run_sweep(
         plan,
         work / "requests.json",
         work,
         python=cfg.engine_python,
-        urls=urls,
-        commands=commands,
+        urls={PLAIN: cfg.engine_plain_url, HEAD: cfg.engine_url} if cfg.engine_url else None,
+        commands=None if cfg.engine_url else serve_commands(cfg, target, spec),
         log_dir=out,
         ready_timeout_s=cfg.engine_ready_timeout_s,
     )
@@ -246,7 +253,7 @@ def serving_sweep(
     setup = {
         "servers": (
             f"running: plain {cfg.engine_plain_url}, head {cfg.engine_url} (levels interleaved)"
-            if urls
+            if cfg.engine_url
             else "started here one after the other (logs: vllm_serve_plain.log, vllm_serve_head.log), "
             f"head: {json.dumps(spec)}, extra flags: {cfg.engine_serve_args or 'none'}"
         ),

@@ -14,8 +14,6 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.config.draft import DraftConfig
-from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import counts_tau
@@ -33,7 +31,14 @@ from eagle_train.evaluate import run as evaluate
 from eagle_train.export import run as export
 from eagle_train.report import spec_counts
 from tests.conftest import REPO_ROOT
-from tests.engines.conftest import HEAD_DIM, MAX_NEW_TOKENS, WORK, fresh_dir, read_json, run_in_vllm
+from tests.engines.conftest import (
+    HEAD_DIM,
+    MAX_NEW_TOKENS,
+    WORK,
+    fresh_dir,
+    read_json,
+    run_in_vllm,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -191,27 +196,12 @@ def test_vllm_serve_as_the_readme_says(
         check_agreement(builtin[CONTROL_K], result, "chain", None)
 
 
-def test_evaluate_engine_vllm_writes_both_engines(engine_python, target_cfg, wide_target_dir, trained_ckpt):
+def test_evaluate_engine_vllm_writes_both_engines(engine_eval_config):
     """`python -m eagle_train.evaluate engine=vllm` on stories260K-hd32: one report, a column per engine,
     the engines agreeing, an acceptance plot per engine."""
-    import dataclasses
-
     out = fresh_dir("eval")
-    target = dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir))
-    cfg = EvaluateConfig(
-        target=target,
-        draft=DraftConfig(path=str(trained_ckpt)),
-        bench=["tinystories"],
-        methods=["ar", "chain"],
-        num_questions=4,
-        out_dir=str(out),
-        num_threads=1,
-        min_rounds=1,
-        decode=DecodeConfig(chain_length=CONTROL_K, max_new_tokens=MAX_NEW_TOKENS),
-        engine="vllm",
-        engine_python=str(engine_python),
-        progress=False,
-    )
+    cfg = engine_eval_config(out)
+    assert cfg.decode.chain_length == CONTROL_K
     report = evaluate(cfg)
     rows = {r["engine"]: r for r in report["engines"]}
     assert set(rows) == {"builtin", "vllm"}

@@ -5,7 +5,6 @@ benchmark at both levels, and every figure of the report must be the one vLLM wr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import time
@@ -13,13 +12,11 @@ import time
 import pytest
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.config.draft import DraftConfig
-from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.engines.vllm_engine import EngineError
 from eagle_train.engines.vllm_server import is_healthy
 from eagle_train.evaluate import run as evaluate
 from eagle_train.report_serving import FIELDS, HEAD, PLAIN, SERVERS, SPEC_FIELDS
-from tests.engines.conftest import HEAD_DIM, MAX_NEW_TOKENS, fresh_dir, read_json
+from tests.engines.conftest import fresh_dir, read_json
 from tests.engines.test_vllm import record_message
 
 pytestmark = pytest.mark.engine
@@ -30,25 +27,15 @@ REQUESTS = 8  # the 4 prompts twice: two waves at concurrency 4
 
 
 @pytest.fixture(scope="module")
-def sweep(engine_python, target_cfg, wide_target_dir, trained_ckpt):
+def sweep(engine_eval_config):
     """One evaluation with the serving sweep; (report, out_dir, seconds)."""
     out = fresh_dir("serving")
-    cfg = EvaluateConfig(
-        target=dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir)),
-        draft=DraftConfig(path=str(trained_ckpt)),
-        bench=["tinystories"],
-        methods=["ar", "chain"],
+    cfg = engine_eval_config(
+        out,
         num_questions=QUESTIONS,
-        out_dir=str(out),
-        num_threads=1,
-        min_rounds=1,
-        decode=DecodeConfig(chain_length=3, max_new_tokens=MAX_NEW_TOKENS),
-        engine="vllm",
-        engine_python=str(engine_python),
         engine_concurrency=LEVELS,
         engine_num_prompts=REQUESTS,
         engine_serve_args=["--enforce-eager"],  # no inductor compile on this CPU
-        progress=False,
     )
     start = time.perf_counter()
     report = evaluate(cfg)
@@ -122,27 +109,16 @@ def test_the_servers_were_stopped_and_their_logs_kept(sweep):
         assert not is_healthy(f"http://127.0.0.1:{port}", timeout_s=2), f"{name} server still answers"
 
 
-def test_a_server_that_cannot_start_stops_the_evaluation_naming_its_log(
-    engine_python, target_cfg, wide_target_dir, trained_ckpt
-):
+def test_a_server_that_cannot_start_stops_the_evaluation_naming_its_log(engine_eval_config):
     """vLLM refuses the plain server's flags: evaluate raises vLLM's own reason, the log's path and its last
     lines, after writing the report of what it finished (its sanity section says the sweep failed)."""
     out = fresh_dir("serving_refused")
-    cfg = EvaluateConfig(
-        target=dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir)),
-        draft=DraftConfig(path=str(trained_ckpt)),
-        bench=["tinystories"],
-        methods=["ar", "chain"],
+    cfg = engine_eval_config(
+        out,
         num_questions=2,
-        out_dir=str(out),
-        num_threads=1,
-        min_rounds=1,
         decode=DecodeConfig(chain_length=3, max_new_tokens=16),
-        engine="vllm",
-        engine_python=str(engine_python),
         engine_concurrency=[1],
         engine_serve_args=["--enforce-eager", "--max-model-len", "100000"],  # beyond the target's 512
-        progress=False,
     )
     log = out / "vllm_serve_plain.log"
     with pytest.raises(EngineError) as raised:

@@ -31,6 +31,7 @@ from eagle_train.engines.vllm_sweep import (
     fits_vllm_loader,
     prompt_text,
     serving_prompts,
+    serving_sweep,
     text_classifier,
     write_requests,
 )
@@ -317,3 +318,11 @@ def test_the_sweep_keys():
             cfg(**bad)
     with pytest.raises(ValueError, match="set engine=vllm"):
         EvaluateConfig(draft=DraftConfig(path="head"), engine_concurrency=[1])
+
+
+def test_no_prompt_vllm_would_take_is_an_error_before_any_server(target, tmp_path):
+    ids = target.tokenizer("Hi").input_ids  # 2 tokens: vLLM's loader needs 4
+    records = [{"method": "ar", "turn": 0, "prompt_ids": ids}]
+    with pytest.raises(EngineError, match=r"no prompt left for vLLM's serving benchmark: serving: 1 prompts"):
+        serving_sweep(cfg(engine_concurrency=[1]), target, tmp_path / "head", records, tmp_path)
+    assert not (tmp_path / "serving").exists()
