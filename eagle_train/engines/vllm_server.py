@@ -48,6 +48,11 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+def absolute(path: str | Path) -> str:
+    """A local path made absolute (vLLM runs in another directory); anything else (a hub id) as given."""
+    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+
+
 def serve_command(
     python: str | Path,
     model: str | Path,
@@ -65,7 +70,7 @@ def serve_command(
         str(python),
         str(CLI),
         "serve",
-        str(model),
+        absolute(model),
         "--host",
         "127.0.0.1",
         "--port",
@@ -184,11 +189,11 @@ def bench_command(
         "--endpoint",
         "/v1/completions",
         "--tokenizer",
-        tokenizer,
+        absolute(tokenizer),
         "--dataset-name",
         "sharegpt",
         "--dataset-path",
-        str(dataset),
+        str(dataset.resolve()),
         "--disable-shuffle",
         "--no-oversample",
         "--num-prompts",
@@ -217,7 +222,7 @@ def bench_command(
         "--save-result",
         "--save-detailed",
         "--result-dir",
-        str(result.parent),
+        str(result.resolve().parent),
         "--result-filename",
         result.name,
     ]

@@ -172,6 +172,33 @@ def test_the_commands_vllm_gets():
     assert {"--save-result", "--save-detailed", "--disable-shuffle", "--no-oversample"} <= set(bench)
 
 
+def test_paths_reach_vllm_absolute(tmp_path, monkeypatch):
+    """vLLM runs in the output directory: a relative out_dir, target or dataset still points at the file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    serve = serve_command("/py", "model", 1, dtype="auto", max_model_len=8)
+    assert serve[3] == str(tmp_path / "model")
+    assert serve_command("/py", "org/hub-id", 1, dtype="auto", max_model_len=8)[3] == "org/hub-id"
+    bench = bench_command(
+        "/py",
+        "http://x",
+        Path("out/serving/requests.json"),
+        Path("out/serving/plain-c1.json"),
+        tokenizer="model",
+        num_prompts=1,
+        concurrency=1,
+        max_tokens=1,
+        stop_token_ids=[],
+        warmups=0,
+        label="plain",
+    )
+    flags = dict(zip(bench, bench[1:], strict=False))
+    assert flags["--dataset-path"] == str(tmp_path / "out/serving/requests.json")
+    assert flags["--result-dir"] == str(tmp_path / "out/serving") and flags["--tokenizer"] == str(
+        tmp_path / "model"
+    )
+
+
 def test_requests_repeat_the_prompts_in_order(tmp_path):
     path = tmp_path / "requests.json"
     assert write_requests(["a", "b", "c"], 7, path) == ["a", "b", "c", "a", "b", "c", "a"]
