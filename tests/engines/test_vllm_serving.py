@@ -16,7 +16,7 @@ from eagle_train.engines.vllm_engine import EngineError
 from eagle_train.engines.vllm_server import is_healthy
 from eagle_train.evaluate import run as evaluate
 from eagle_train.report_serving import FIELDS, HEAD, PLAIN, SERVERS, SPEC_FIELDS
-from tests.engines.conftest import fresh_dir, read_json
+from tests.engines.conftest import HEAD_DIM, fresh_dir, read_json
 from tests.engines.test_vllm import record_message
 
 pytestmark = pytest.mark.engine
@@ -132,3 +132,49 @@ def test_a_server_that_cannot_start_stops_the_evaluation_naming_its_log(engine_e
     port = re.search(r"--port (\d+)", log.read_text().splitlines()[0]).group(1)
     assert not is_healthy(f"http://127.0.0.1:{port}", timeout_s=2)
     record_message("a refused vllm serve", message.splitlines()[0])
+
+
+def test_running_servers_are_used_as_they_are(
+    engine_eval_config, engine_python, wide_target_dir, trained_ckpt
+):
+    """engine_url + engine_plain_url: no server is started, the levels interleave (plain, head, plain, head).
+    One vLLM at a time on this machine, so the same server with the head stands for both: its answers
+    and its acceptance are then the same in both result files."""
+    from eagle_train.config.export import ExportConfig
+    from eagle_train.engines.vllm_engine import speculative_config
+    from eagle_train.engines.vllm_server import free_port, serve_command, vllm_server
+    from eagle_train.export import run as export
+
+    out = fresh_dir("serving_urls")
+    head = export(
+        ExportConfig(ckpt=str(trained_ckpt), format="vllm", out=str(out / "head"), head_dim=HEAD_DIM)
+    )
+    port = free_port()
+    cmd = serve_command(
+        engine_python,
+        wide_target_dir,
+        port,
+        dtype="float32",
+        max_model_len=512,
+        speculative=speculative_config(head, 3),
+        extra_args=["--enforce-eager"],
+    )
+    with vllm_server(cmd, port, out / "server.log") as url:
+        cfg = engine_eval_config(
+            out / "eval",
+            engine_url=url,
+            engine_plain_url=url,
+            engine_concurrency=[1, 2],
+            engine_num_prompts=QUESTIONS,
+        )
+        report = evaluate(cfg)
+    serving = out / "eval" / "serving"
+    order = sorted(serving.glob("*-c*.json"), key=lambda p: p.stat().st_mtime)
+    assert [p.name for p in order] == ["plain-c1.json", "head-c1.json", "plain-c2.json", "head-c2.json"]
+    assert not list((out / "eval").glob("vllm_serve_*.log"))
+    assert report["serving"]["setup"]["servers"] == f"running: plain {url}, head {url} (levels interleaved)"
+    for row in report["serving"]["levels"]:
+        files = {name: read_json(serving / f"{name}-c{row['concurrency']}.json") for name in SERVERS}
+        assert files[PLAIN]["generated_texts"] == files[HEAD]["generated_texts"]
+        assert row["identity"]["identical"] == QUESTIONS and row["acceptance_length"] > 1
+        assert files[PLAIN]["spec_decode_num_drafts"] == files[HEAD]["spec_decode_num_drafts"]
