@@ -218,6 +218,7 @@ def plot_speedup_by_concurrency(rows: list[dict], out: Path) -> Path:
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.minorticks_off()
         ax.legend(fontsize=8)
+    fig.tight_layout()
     return save_figure(plt, fig, out / "serving_speedup.png")
 
 
