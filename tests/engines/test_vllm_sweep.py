@@ -132,6 +132,23 @@ def test_a_server_that_never_gets_ready_is_stopped(tmp_path):
     assert not pid_file.is_file() or gone(int(pid_file.read_text()))  # (killed before it wrote its pid)
 
 
+def bench_flags(dataset: Path, result: Path, tokenizer: str) -> list[str]:
+    """The benchmark command of the head server at concurrency 4 (8 requests of at most 64 tokens)."""
+    return bench_command(
+        "/py",
+        "http://127.0.0.1:8123/",
+        dataset,
+        result,
+        tokenizer=tokenizer,
+        num_prompts=8,
+        concurrency=4,
+        max_tokens=64,
+        stop_token_ids=[2],
+        warmups=4,
+        label="head",
+    )
+
+
 def test_the_commands_vllm_gets():
     spec = {"method": "eagle", "model": "/heads/h", "num_speculative_tokens": 3, "parallel_drafting": True}
     serve = serve_command(
@@ -148,19 +165,7 @@ def test_the_commands_vllm_gets():
     assert serve[-1] == "--enforce-eager" and "--no-enable-prefix-caching" in serve
     plain = serve_command("/py", "/models/t", 8123, dtype="auto", max_model_len=512)
     assert "--speculative-config" not in plain and plain[plain.index("--port") + 1] == "8123"
-    bench = bench_command(
-        "/py",
-        "http://127.0.0.1:8123/",
-        Path("/w/requests.json"),
-        Path("/w/serving/head-c4.json"),
-        tokenizer="/models/t",
-        num_prompts=8,
-        concurrency=4,
-        max_tokens=64,
-        stop_token_ids=[2],
-        warmups=4,
-        label="head",
-    )
+    bench = bench_flags(Path("/w/requests.json"), Path("/w/serving/head-c4.json"), "/models/t")
     assert bench[:4] == ["/py", str(CLI), "bench", "serve"]
     flags = dict(zip(bench, bench[1:], strict=False))  # each flag -> the word after it
     assert flags["--base-url"] == "http://127.0.0.1:8123" and flags["--max-concurrency"] == "4"
@@ -179,19 +184,7 @@ def test_paths_reach_vllm_absolute(tmp_path, monkeypatch):
     serve = serve_command("/py", "model", 1, dtype="auto", max_model_len=8)
     assert serve[3] == str(tmp_path / "model")
     assert serve_command("/py", "org/hub-id", 1, dtype="auto", max_model_len=8)[3] == "org/hub-id"
-    bench = bench_command(
-        "/py",
-        "http://x",
-        Path("out/serving/requests.json"),
-        Path("out/serving/plain-c1.json"),
-        tokenizer="model",
-        num_prompts=1,
-        concurrency=1,
-        max_tokens=1,
-        stop_token_ids=[],
-        warmups=0,
-        label="plain",
-    )
+    bench = bench_flags(Path("out/serving/requests.json"), Path("out/serving/plain-c1.json"), "model")
     flags = dict(zip(bench, bench[1:], strict=False))
     assert flags["--dataset-path"] == str(tmp_path / "out/serving/requests.json")
     assert flags["--result-dir"] == str(tmp_path / "out/serving") and flags["--tokenizer"] == str(
