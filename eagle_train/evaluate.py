@@ -11,6 +11,8 @@ their first token and their end. Writes to `out_dir`:
     report.json/.md  per bench and method: tau, acceptance by position, tokens/s, speedup, greedy identity
                      (identical / near-tie / real divergence: eagle_train.decoding.identity)
     *.png            acceptance by position, tau histogram, calibration, speedup by benchmark
+    serving/         (engine_concurrency) vLLM's serving benchmark: its result file per server and level;
+                     the servers' logs vllm_serve_{plain,head}.log beside report.md (docs/serving-under-load.md)
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.identity import check_against_model, classify_answer
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
-from eagle_train.engines.vllm_engine import run_vllm, run_vllm_server, speculative_config
+from eagle_train.engines.vllm_engine import EngineError, run_vllm, run_vllm_server, speculative_config
+from eagle_train.engines.vllm_sweep import serving_sweep
 from eagle_train.interop.layouts import export_head, load_draft, other_target
 from eagle_train.interop.reexpress import widen_head
 from eagle_train.modeling.hf_generate import HFGenerate
@@ -304,17 +307,17 @@ def export_for_vllm(head, target: Target, out: Path) -> Path:
 
 
 def run_engine(
-    cfg: EvaluateConfig, target: Target, head, records: list[dict], out: Path
+    cfg: EvaluateConfig, target: Target, head_dir: Path | None, records: list[dict], out: Path
 ) -> tuple[list[dict], list[str]]:
     """The chain records' prompt token ids decoded by vLLM without and with speculation (K =
-    decode.chain_length); returns (engine records, notes about vLLM's log)."""
+    decode.chain_length; the head as exported to `head_dir`, or as served at engine_url); returns
+    (engine records, notes about vLLM's log)."""
     chain = [r for r in records if r["method"] == "chain"]
     prompts = [r["prompt_ids"] for r in chain]
     limits = dict(max_tokens=cfg.decode.max_new_tokens, stop_token_ids=target.stop_token_ids)
     if cfg.engine_url:
         result = run_vllm_server(cfg.engine_url, prompts, **limits)
     else:
-        head_dir = export_for_vllm(head, target, out / "engine" / "vllm_head")
         runs = {"ar": None, "chain": speculative_config(head_dir, cfg.decode.chain_length)}
         result = run_vllm(
             target.source,
@@ -348,6 +351,28 @@ def run_engine(
         for w in run.load_warnings
     ]
     return engine_records, notes
+
+
+def engine_sections(
+    cfg: EvaluateConfig, target: Target, head, records: list[dict], out: Path, classify
+) -> tuple[dict | None, dict | None, EngineError | None]:
+    """engine=vllm: the report's engine section (one request at a time, engine_answers.jsonl), and with
+    engine_concurrency its serving section; a failed serving sweep is returned (the finished evaluation's
+    report is written first, then it is raised) and noted in the engine section."""
+    if cfg.engine != "vllm":
+        return None, None, None
+    head_dir = None if cfg.engine_url else export_for_vllm(head, target, out / "engine" / "vllm_head")
+    engine_records, log_notes = run_engine(cfg, target, head_dir, records, out)
+    write_answers(engine_records, out / "engine_answers.jsonl")
+    engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
+    engines["sanity"] = log_notes + engines["sanity"]
+    if not cfg.engine_concurrency:
+        return engines, None, None
+    try:
+        return engines, serving_sweep(cfg, target, head_dir, records, out, classify), None
+    except EngineError as err:
+        engines["sanity"].append(f"the serving sweep failed: {str(err).splitlines()[0]}")
+        return engines, None, err
 
 
 def draft_notes(cfg: EvaluateConfig, target: Target) -> list[str]:
@@ -451,12 +476,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_answers(records, out / "answers.jsonl")
-    engines = None
-    if cfg.engine == "vllm":
-        engine_records, log_notes = run_engine(cfg, target, head, records, out)
-        write_answers(engine_records, out / "engine_answers.jsonl")
-        engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
-        engines["sanity"] = log_notes + engines["sanity"]
+    engines, serving, failed = engine_sections(cfg, target, head, records, out, classify)
     meta = run_meta(cfg, target, device, time.perf_counter() - start)
     meta["threads"] = threads
     report = write_report(
@@ -468,18 +488,22 @@ def evaluate(cfg: EvaluateConfig) -> dict:
         engines=engines,
         notes=draft_notes(cfg, target),
         shapes=shape_section(tuning, summarize(records), out, cfg.plots, threads) if tuning else None,
+        serving=serving,
     )
     cut = sum(1 for r in records if r["prompt_cut"])
     if cut:
         log.warning("%d prompts were longer than the context allows and were cut (see prompt_cut)", cut)
     print(markdown_table(report["results"]))
-    if engines:
-        print(engines["markdown"])
+    for section in (engines, serving):
+        if section:
+            print(section["markdown"])
     for note in report["sanity"]:
         print(f"WARNING: {note}")
     for line in report["identity"]:
         print(line)
     print(f"report: {out / 'report.md'}")
+    if failed:
+        raise failed
     return report
 
 

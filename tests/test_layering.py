@@ -70,6 +70,7 @@ THIRD_PARTY = {
 EXTRA = {
     "report": {"matplotlib"},
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
+    "engines.vllm_cli": {"vllm"},  # likewise: the `vllm` command
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},
     "interop": {"transformers"},
@@ -173,7 +174,11 @@ def test_the_root_shim_only_calls_the_train_stage():
 
 @pytest.mark.parametrize(
     "worker, allowed",
-    [("engines.vllm_worker", {"vllm"}), ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors"})],
+    [
+        ("engines.vllm_worker", {"vllm"}),
+        ("engines.vllm_cli", {"vllm"}),
+        ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors"}),
+    ],
 )
 def test_the_vllm_workers_import_only_what_vllm_s_environment_has(worker, allowed):
     """They run in vLLM's own environment, where this package is not installed (torch and safetensors

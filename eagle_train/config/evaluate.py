@@ -63,6 +63,21 @@ class EvaluateConfig:
     # a running `vllm serve TARGET --speculative-config ...` to use instead of starting vLLM (OpenAI API
     # base URL, e.g. http://127.0.0.1:8000); it must serve this target with this head at decode.chain_length
     engine_url: str | None = None
+    # what the head is worth under load (engine=vllm): vLLM's own serving benchmark (`vllm bench serve`) at each
+    # of these concurrency levels, on a server without the head and one with it (a chain of
+    # decode.chain_length), e.g. [1,4,16,64]; empty: no serving sweep (docs/serving-under-load.md)
+    engine_concurrency: list[int] = field(default_factory=list)
+    # requests per level: the evaluation's first-turn prompts in order, repeated when more are asked for (null:
+    # each once, and at least as many as the highest level)
+    engine_num_prompts: int | None = None
+    # the sweep on running servers instead of starting them: this one serves the target WITHOUT speculation,
+    # engine_url the same target with the head (both or neither)
+    engine_plain_url: str | None = None
+    # extra `vllm serve` flags for the servers the sweep starts (e.g. [--enforce-eager] on a CPU: no compile)
+    engine_serve_args: list[str] = field(default_factory=list)
+    engine_ready_timeout_s: float = (
+        600  # a started server that is not ready by then is an error (its log named)
+    )
     progress: bool = True  # tqdm progress bars
 
     def __post_init__(self) -> None:
@@ -94,7 +109,32 @@ class EvaluateConfig:
             self.methods += [m for m in ("ar", "chain") if m not in self.methods]
             if self.decode.chain_length is None:  # vLLM's chain is as given (its default), never tuned
                 self.decode.chain_length = SHAPE_DEFAULTS["chain"]["chain_length"]
+        self.check_serving()
         if self.tune_prompts < 1 or self.tune_tokens < 2 or self.tune_race < 0:
             raise ValueError("tune_prompts must be >= 1, tune_tokens >= 2 and tune_race >= 0")
         if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:
             raise ValueError("warmup, min_rounds and near_tie_ulps must be >= 0")
+
+    def check_serving(self) -> None:
+        """The serving sweep's keys: levels >= 1 (run in ascending order), both server URLs or neither."""
+        levels = [int(c) for c in self.engine_concurrency]
+        if any(c < 1 for c in levels) or len(set(levels)) != len(levels):
+            raise ValueError(
+                f"engine_concurrency must be distinct levels >= 1, got {self.engine_concurrency}"
+            )
+        self.engine_concurrency = sorted(levels)
+        if levels and self.engine != "vllm":
+            raise ValueError("engine_concurrency runs vLLM's serving benchmark: set engine=vllm")
+        if self.engine_plain_url and not self.engine_url:
+            raise ValueError(
+                "engine_plain_url (the server without the head) needs engine_url (the one with it)"
+            )
+        if levels and self.engine_url and not self.engine_plain_url:
+            raise ValueError(
+                "engine_concurrency compares a server without the head and one with it: set engine_plain_url "
+                "beside engine_url, or neither (the stage then starts both)"
+            )
+        if self.engine_num_prompts is not None and self.engine_num_prompts < 1:
+            raise ValueError(f"engine_num_prompts must be >= 1 or null, got {self.engine_num_prompts}")
+        if self.engine_ready_timeout_s <= 0:
+            raise ValueError(f"engine_ready_timeout_s must be > 0, got {self.engine_ready_timeout_s}")

@@ -35,7 +35,13 @@ LOAD_PROBLEM = re.compile(
     r"|skip|ignor|unused|mismatch)",
     re.IGNORECASE,
 )
-ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?(\w+(Error|Exception)): (.+)$")
+# an exception line, bare, from a rank, or as a `vllm serve` process logs it ("(Worker pid=7) ERROR 12-03
+# 06:49:51 [file.py:953] RuntimeError: ..."); the type may be dotted (pydantic_core._pydantic_core.ValidationError)
+ERROR_LINE = re.compile(
+    r"^(\[rank\d+\]: |\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^\]]*\] )?"
+    r"(?P<type>(\w+\.)*\w+(Error|Exception)): (?P<message>.+)$"
+)
+DETAIL_LINE = re.compile(r"^\s+(?!File |\^)(?P<detail>\S.*)$")  # an indented line that explains the error
 
 
 class EngineError(RuntimeError):
@@ -106,12 +112,17 @@ def load_warnings(log_text: str) -> list[str]:
 
 
 def failure_reason(log_text: str) -> str:
-    """vLLM's last `SomethingError: message` line (the root cause comes first in a chained traceback)."""
-    errors = [
-        m.group(2) + ": " + m.group(4)
-        for line in log_text.splitlines()
-        if (m := ERROR_LINE.match(line.strip()))
-    ]
+    """vLLM's last `SomethingError: message` line (the root cause comes first in a chained traceback),
+    with the indented line under it when there is one (pydantic's validation errors explain themselves
+    there)."""
+    lines = log_text.splitlines()
+    errors = []
+    for line, after in zip(lines, [*lines[1:], ""], strict=True):
+        if m := ERROR_LINE.match(line.strip()):
+            detail = DETAIL_LINE.match(after)
+            errors.append(
+                m.group("type") + ": " + m.group("message") + (f" ({detail['detail']})" if detail else "")
+            )
     generic = [e for e in errors if "Engine core initialization failed" not in e]
     return (generic or errors or ["no error line in the log"])[0 if generic else -1]
 

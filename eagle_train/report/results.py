@@ -286,9 +286,10 @@ def render_markdown(
     engines_markdown: str | None = None,
     identity: list[str] = (),
     shapes_markdown: str | None = None,
+    serving_markdown: str | None = None,
 ) -> str:
-    """report.md: run settings, the table, the engines side by side (if any), the sanity lines (warnings,
-    then greedy identity), the plots."""
+    """report.md: run settings, the table, the engines side by side (if any), the serving sweep (if any), the
+    sanity lines (warnings, then greedy identity), the plots."""
     parts = ["# Evaluation report", ""]
     parts += [f"- {k}: {v}" for k, v in meta.items()]
     parts += ["", markdown_table(rows), ""]
@@ -300,6 +301,8 @@ def render_markdown(
         parts += ["", shapes_markdown]
     if engines_markdown:
         parts += ["", engines_markdown]
+    if serving_markdown:
+        parts += ["", serving_markdown]
     parts += ["", "## Sanity", ""]
     parts += [f"- WARNING: {n}" for n in notes] or ["- all checks passed"]
     parts += [f"- {line}" for line in identity]
@@ -317,19 +320,26 @@ def write_report(
     engines: dict[str, Any] | None = None,
     notes: Sequence[str] = (),
     shapes: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write report.json, report.md and the PNG plots for `records` into `out_dir`; return the report.
     `engines`: the side-by-side engine section (`eagle_train.report.engine_section.engine_section`), if any.
     `notes`: warnings found before decoding (e.g. a head trained for another target), listed first.
     `shapes`: the tree-shape section of decode.shape=auto
-    (`eagle_train.report.shape_section.shape_section`)."""
+    (`eagle_train.report.shape_section.shape_section`).
+    `serving`: vLLM's serving benchmark by concurrency (`eagle_train.report.serving_section.serving_section`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     greedy = float(meta.get("temperature", 0.0)) == 0.0
-    notes = [*notes, *sanity_checks(rows, min_rounds, greedy), *(engines["sanity"] if engines else [])]
-    plot_files = (write_plots(records, rows, out) if plots else []) + (engines["plots"] if engines else [])
-    plot_files += shapes["plots"] if shapes else []
+    sections = [s for s in (engines, shapes, serving) if s]
+    notes = [
+        *notes,
+        *sanity_checks(rows, min_rounds, greedy),
+        *(n for s in sections for n in s.get("sanity", [])),
+    ]
+    plot_files = write_plots(records, rows, out) if plots else []
+    plot_files += [p for s in sections for p in s["plots"]]
     identity = identity_lines(rows, meta)
     calib = {m: calibration([r for r in records if r["method"] == m]) for m in {r["method"] for r in records}}
     report = {
@@ -344,6 +354,8 @@ def write_report(
         report["engines"] = engines["rows"]
     if shapes:
         report["shapes"] = {"chosen": shapes["rows"], "tuning": shapes["tuning"]}
+    if serving:
+        report["serving"] = {"setup": serving["setup"], "levels": serving["rows"]}
     atomic_write_json(out / "report.json", report, sort_keys=False)
     atomic_write_text(
         out / "report.md",
@@ -355,6 +367,7 @@ def write_report(
             engines["markdown"] if engines else None,
             identity,
             shapes["markdown"] if shapes else None,
+            serving["markdown"] if serving else None,
         ),
     )
     return report

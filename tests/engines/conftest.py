@@ -138,3 +138,34 @@ def run_in_vllm(name: str, runs: dict, engine_python, wide_target_dir, wide_targ
     )
     print(f"{name}: {len(runs)} runs in {time.perf_counter() - start:.0f} s (vllm {result.version})")
     return result
+
+
+@pytest.fixture(scope="session")
+def engine_eval_config(target_cfg, wide_target_dir, trained_ckpt, engine_python):
+    """config(out, **changes): `evaluate engine=vllm` of the trained head on the head_dim-32 target:
+    tinystories, ar + chain (K = 3), the engine tests' answer length, one thread; `changes` override any
+    EvaluateConfig field."""
+    from eagle_train.config.decode import DecodeConfig
+    from eagle_train.config.draft import DraftConfig
+    from eagle_train.config.evaluate import EvaluateConfig
+
+    def config(out: Path, **changes) -> EvaluateConfig:
+        settings = dict(
+            target=dataclasses.replace(
+                target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir)
+            ),
+            draft=DraftConfig(path=str(trained_ckpt)),
+            bench=["tinystories"],
+            methods=["ar", "chain"],
+            num_questions=4,
+            out_dir=str(out),
+            num_threads=1,
+            min_rounds=1,
+            decode=DecodeConfig(chain_length=3, max_new_tokens=MAX_NEW_TOKENS),
+            engine="vllm",
+            engine_python=str(engine_python),
+            progress=False,
+        )
+        return EvaluateConfig(**{**settings, **changes})
+
+    return config

@@ -6,21 +6,14 @@ exports must fail the same check with a clear message. `make test-engines` runs 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
-import socket
-import subprocess
-import time
-import urllib.request
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.config.draft import DraftConfig
-from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import counts_tau
@@ -32,12 +25,20 @@ from eagle_train.engines.vllm_engine import (
     run_vllm_server,
     speculative_config,
 )
+from eagle_train.engines.vllm_server import free_port, vllm_server
 from eagle_train.evaluate import answer_record
 from eagle_train.evaluate import run as evaluate
 from eagle_train.export import run as export
 from eagle_train.report.results import spec_counts
 from tests.conftest import REPO_ROOT
-from tests.engines.conftest import HEAD_DIM, MAX_NEW_TOKENS, WORK, fresh_dir, read_json, run_in_vllm
+from tests.engines.conftest import (
+    HEAD_DIM,
+    MAX_NEW_TOKENS,
+    WORK,
+    fresh_dir,
+    read_json,
+    run_in_vllm,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -162,12 +163,6 @@ def test_the_sglang_layout_is_not_for_vllm(vllm_result, builtin):
     record_message("format=sglang given to vLLM", str(err.value))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vllm_serve_as_the_readme_says(
     engine_python, wide_target_dir, wide_target, exports, builtin, prompts
 ):
@@ -195,60 +190,19 @@ def test_vllm_serve_as_the_readme_says(
         "--max-num-seqs",
         "1",
     ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    log = (WORK / "serve.log").open("w")
-    server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=WORK)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server, timeout_s=300)
+    with vllm_server(args, port, WORK / "serve.log", ready_timeout_s=300) as url:
         result = run_vllm_server(
             url, prompts, max_tokens=MAX_NEW_TOKENS, stop_token_ids=wide_target.stop_token_ids
         )
         check_agreement(builtin[CONTROL_K], result, "chain", None)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"vllm serve exited ({server.returncode}); see {WORK / 'serve.log'}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise AssertionError(f"vllm serve was not healthy after {timeout_s} s; see {WORK / 'serve.log'}")
-
-
-def test_evaluate_engine_vllm_writes_both_engines(engine_python, target_cfg, wide_target_dir, trained_ckpt):
+def test_evaluate_engine_vllm_writes_both_engines(engine_eval_config):
     """`python -m eagle_train.evaluate engine=vllm` on stories260K-hd32: one report, a column per engine,
     the engines agreeing, an acceptance plot per engine."""
-    import dataclasses
-
     out = fresh_dir("eval")
-    target = dataclasses.replace(target_cfg, name=f"stories260k-hd{HEAD_DIM}", path=str(wide_target_dir))
-    cfg = EvaluateConfig(
-        target=target,
-        draft=DraftConfig(path=str(trained_ckpt)),
-        bench=["tinystories"],
-        methods=["ar", "chain"],
-        num_questions=4,
-        out_dir=str(out),
-        num_threads=1,
-        min_rounds=1,
-        decode=DecodeConfig(chain_length=CONTROL_K, max_new_tokens=MAX_NEW_TOKENS),
-        engine="vllm",
-        engine_python=str(engine_python),
-        progress=False,
-    )
+    cfg = engine_eval_config(out)
+    assert cfg.decode.chain_length == CONTROL_K
     report = evaluate(cfg)
     rows = {r["engine"]: r for r in report["engines"]}
     assert set(rows) == {"builtin", "vllm"}

@@ -105,6 +105,32 @@ def test_log_reading():
         "WARNING 12-01 [utils.py] Some weights of the checkpoint were not used: fc.bias"
     ]
     assert failure_reason(text) == "AssertionError: Tried to load weights of size torch.Size([64, 128])"
+    served = [  # a `vllm serve` log: the root cause comes from a worker process, the generic error last
+        "(Worker pid=23194) ERROR 12-03 06:49:51 [multiproc_executor.py:953]     raise RuntimeError(",
+        "(Worker pid=23194) ERROR 12-03 06:49:51 [multiproc_executor.py:953] RuntimeError: Cannot find any "
+        "model weights with `/heads/broken`",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ]
+    assert (
+        failure_reason("\n".join(served))
+        == "RuntimeError: Cannot find any model weights with `/heads/broken`"
+    )
+    pydantic = [  # a config vLLM refuses: the type is dotted, the explanation on the indented line below
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        "  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ]
+    assert failure_reason("\n".join(pydantic)) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig (Value error, "
+        "User-specified max_model_len (100000) is greater than the derived max_model_len)"
+    )
+    traceback = [
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1',
+        "ValueError: bad",
+        '  File "y"',
+    ]
+    assert failure_reason("\n".join(traceback)) == "ValueError: bad"  # a File line explains nothing
     assert split_log(f"{RUN_MARK}a\nx\n{RUN_MARK}b\ny\nz") == {"a": "x", "b": "y\nz"}
     assert RUN_MARK == WORKER_RUN_MARK
 
