@@ -6,7 +6,7 @@ its layer allows:
   1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
                  data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
-  2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
+  2 adapters     modeling/* (the only transformers importers beside families/*: tiny family instances), the rest of data/* (the only datasets
                  importers besides stages), store/* (the feature store), engines/* (a serving engine in
                  its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
                  engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)   + safetensors
@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, int]] = [
     ("data", 2),
     ("modeling", 2),
     ("engines", 2),
+    ("families", 2),
     ("store", 2),
     ("training", 3),
     ("checks", 3),
@@ -67,6 +68,7 @@ EXTRA = {
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},
+    "families": {"transformers"},  # tiny family instances built with transformers' own config classes
     "data": {"datasets"},
     "extract": {"datasets"},
 }

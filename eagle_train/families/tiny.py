@@ -67,7 +67,11 @@ def cache_key(family: Family, settings: BuildSettings) -> str:
     """A hash of everything the built model depends on."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    h.update(json.dumps([asdict(family), asdict(settings), TOKENIZERS[family.tokenizer].sha256], sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            [asdict(family), asdict(settings), TOKENIZERS[family.tokenizer].sha256], sort_keys=True
+        ).encode()
+    )
     h.update(transformers.__version__.encode())
     for name in BUILDER_SOURCES:
         h.update((here / name).read_bytes())
@@ -99,7 +103,9 @@ def _build(family: Family, settings: BuildSettings, tok_dir: Path, out: Path) ->
             shutil.copyfile(tok_dir / f, out / f)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     if len(tokenizer) > family.vocab_size:
-        raise ValueError(f"{family.name}: tokenizer has {len(tokenizer)} tokens > vocab_size {family.vocab_size}")
+        raise ValueError(
+            f"{family.name}: tokenizer has {len(tokenizer)} tokens > vocab_size {family.vocab_size}"
+        )
     torch.manual_seed(settings.seed)
     config = family_config(family)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

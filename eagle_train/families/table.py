@@ -1,0 +1,87 @@
+"""The family matrix as Markdown, from scripts/family_matrix.py's results (pure formatting)."""
+
+from __future__ import annotations
+
+
+def _cell_error(res: dict | None) -> str | None:
+    if res is None:
+        return "not run"
+    if not res.get("ok", False):
+        return "FAILED: " + res.get("error", "?").replace("|", "/")
+    return None
+
+
+def decoder_cell(res: dict | None) -> str:
+    """tau per method and greedy identity against hf (the model's own generate) and ar."""
+    error = _cell_error(res)
+    if error:
+        return error
+    tau, ident = res["tau"], res["identity"]
+    parts = [
+        f"tau chain {tau.get('chain', '-')} / eagle1 {tau.get('eagle1', '-')} / eagle2 {tau.get('eagle2', '-')}"
+    ]
+    for method in ("ar", "chain", "eagle1", "eagle2"):
+        hf, ar = ident[method]["hf"], ident[method]["ar"]
+        diff = ident[method]["hf"]["first_diff"]
+        note = f" (first diff at {diff})" if diff else ""
+        parts.append(
+            f"{method} = hf {hf['same']}/{hf['of']}{note}"
+            + ("" if method == "ar" else f", = ar {ar['same']}/{ar['of']}")
+        )
+    return "<br>".join(parts)
+
+
+def vllm_cell(res: dict | None) -> str:
+    """vLLM's tau and counters against the built-in chain decoder; greedy with and without speculation."""
+    error = _cell_error(res)
+    if error:
+        return error
+    rows = {r["engine"]: r for r in res.get("engines", [])}
+    theirs = next((r for e, r in rows.items() if e != "builtin"), None)
+    if theirs is None:
+        return "no engine rows"
+    ours = rows.get("builtin", {})
+    same = "equal" if theirs.get("counts") == ours.get("counts") else "DIFFER"
+    return (
+        f"tau {theirs['tau']:.3f} (built-in chain {ours.get('tau', float('nan')):.3f}): counters {same}; "
+        f"spec = plain {theirs['identical']}/{theirs['identity_checked']}; "
+        f"= built-in {theirs['same_as_builtin']}/{theirs['compared_with_builtin']}"
+    )
+
+
+def stage_cell(res: dict | None) -> str:
+    error = _cell_error(res)
+    return error or f"ok ({res['wall_s']} s)"
+
+
+def _cost(result: dict, key: str) -> str:
+    s = result.get(key) or {}
+    return f"{s.get('wall_s', '-')} / {s.get('cpu_s', '-')}" if s else "-"
+
+
+def matrix_markdown(results: list[dict]) -> str:
+    """One row per family and head type: extract, train, built-in decoder, vLLM; then the costs."""
+    lines = [
+        "| family | head | extract | train | built-in decoder (tau; greedy identity) | vLLM |",
+        "|---|---|---|---|---|---|",
+    ]
+    costs = [
+        "| family | build + shape | regenerate | extract | train EAGLE-1 | train EAGLE-3 | evaluate (both) | total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        build = r.get("build", {})
+        for head in ("eagle1", "eagle3"):
+            first = f"{r['family']}<br><sub>{r.get('switches', '')}</sub>" if head == "eagle1" else ""
+            extract = stage_cell(r.get("extract")) if build.get("ok") else "build " + _cell_error(build)
+            lines.append(
+                f"| {first} | {'EAGLE-1' if head == 'eagle1' else 'EAGLE-3'} | {extract} | {stage_cell(r.get(head))} "
+                f"| {decoder_cell(r.get(f'eval_{head}'))} | {vllm_cell(r.get(f'vllm_{head}')) if r.get('vllm') else 'not run'} |"
+            )
+
+        evals = [r.get(k) or {} for k in ("eval_eagle1", "eval_eagle3")]
+        costs.append(
+            f"| {r['family']} | {build.get('wall_s', '-')} | {_cost(r, 'regenerate')} | {_cost(r, 'extract')} | {_cost(r, 'eagle1')} "
+            f"| {_cost(r, 'eagle3')} | {round(sum(e.get('wall_s', 0) for e in evals), 1)} | {r.get('total_wall_s', '-')} |"
+        )
+    return "\n".join(lines) + "\n\nCosts (seconds, wall / CPU of the stage's process):\n\n" + "\n".join(costs)
