@@ -139,6 +139,7 @@ def run_family(name: str, work: Path, vllm: bool = False, cache: Path | None = N
     try:
         model = build_family(name, cache=cache)
         result["build"] = {"ok": True, **json.loads((model / "shaping.json").read_text())}
+        result["model"] = str(model)
     except Exception as err:  # a family that cannot be built keeps its error in the matrix
         result["build"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:600]}
         return _save(done, result)

@@ -38,7 +38,9 @@ END_OF_TURN = {
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
 def test_tokenizer_loads_and_its_template_masks_the_replies(name):
     directory = tokenizer_or_skip(name)
-    assert (directory / "LICENSE").is_file() and TOKENIZERS[name].sha256 in (directory / "README.md").read_text()
+    assert (directory / "LICENSE").is_file() and TOKENIZERS[name].sha256 in (
+        directory / "README.md"
+    ).read_text()
     tok = AutoTokenizer.from_pretrained(directory)
     assert tok.chat_template, f"{name}: no chat template"
     assert all(tok.convert_tokens_to_ids(end) not in (None, tok.unk_token_id) for end in END_OF_TURN[name])
