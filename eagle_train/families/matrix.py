@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from eagle_train.families.specs import FAMILIES
-from eagle_train.families.tiny import BuildSettings, build_family, cache_key
+from eagle_train.families.tiny import BuildSettings, build_family, cache_key, model_dir
+from eagle_train.families.tokenizers import cache_root
 from eagle_train.files import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,52 +125,75 @@ def evaluate(fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> 
     return res
 
 
-def run_family(name: str, work: Path, vllm: bool = False, cache: Path | None = None) -> dict:
-    """Every stage of family `name`; the result (also WORK/NAME/result.json, reused when unchanged)."""
+def default_work() -> Path:
+    """The matrix's work directory shared by the script and the tests: $EAGLE_TRAIN_CACHE/matrix."""
+    return cache_root() / "matrix"
+
+
+def run_family(name: str, work: Path | None = None, vllm: bool = False) -> dict:
+    """Every stage of family `name`; the result (also WORK/NAME/result.json). A stage that finished for the
+    same model key and settings is not run again (a later call with vllm=True runs only vLLM's part)."""
+    work = work or default_work()
     fam, key = work / name, cache_key(FAMILIES[name], BuildSettings())
     done = fam / "result.json"
+    result = {"family": name, "key": key, "settings": SETTINGS, "switches": FAMILIES[name].switches}
     if done.is_file():
         old = json.loads(done.read_text())
-        if old.get("key") == key and old.get("settings") == SETTINGS and (old.get("vllm") or not vllm):
-            return old
+        if old.get("key") == key and old.get("settings") == SETTINGS:
+            result = old
     fam.mkdir(parents=True, exist_ok=True)
     prompts, questions = write_inputs(work)
-    result = {"family": name, "key": key, "settings": SETTINGS, "switches": FAMILIES[name].switches}
-    start = time.perf_counter()
-    try:
-        model = build_family(name, cache=cache)
-        result["build"] = {"ok": True, **json.loads((model / "shaping.json").read_text())}
-        result["model"] = str(model)
-    except Exception as err:  # a family that cannot be built keeps its error in the matrix
-        result["build"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:600]}
-        return _save(done, result)
-    result["build"]["wall_s"] = round(time.perf_counter() - start, 1)
+    start = time.perf_counter() - result.get("total_wall_s", 0.0)
+    if not result.get("build", {}).get("ok"):
+        try:
+            model = build_family(name)
+            result["build"] = {"ok": True, **json.loads((model / "shaping.json").read_text())}
+        except Exception as err:  # a family that cannot be built keeps its error in the matrix
+            result["build"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:600]}
+            return _save(done, result)
+        result["build"]["wall_s"] = round(time.perf_counter() - start, 1)
+    model = model_dir(name)
+    for label, module, args in stages(name, model, fam, prompts):
+        if not result.get(label, {}).get("ok"):
+            result[label] = stage(fam / f"{label}.log", module, args)
+            _save(done, result)
+        if not result[label]["ok"] and label in ("regenerate", "extract"):
+            return _save(done, result)
+    for head in ("eagle1", "eagle3"):
+        for kind in ("eval", "vllm") if vllm else ("eval",):
+            label = f"{kind}_{head}"
+            if result[head]["ok"] and not result.get(label, {}).get("ok"):
+                result[label] = evaluate(fam, model, head, questions, vllm=kind == "vllm")
+                _save(done, result)
+    result["vllm"] = vllm or result.get("vllm", False)
+    result["total_wall_s"] = round(time.perf_counter() - start, 1)
+    return _save(done, result)
+
+
+def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, str, list[str]]]:
+    """(label, module, arguments) of the stages after the build, in order."""
     target = [f"target.path={model}", f"target.name=tiny-{name}"]
-    steps = [
+    train = [
+        *target,
+        "+recipe=stories260k_cpu",
+        f"features={fam / 'features'}",
+        f"max_tokens={STEP_TOKENS}",
+        "eval_every=0",
+        "save_every=0",
+        "log_every=50",
+        "loader_workers=0",
+        "optim.warmup_steps=10",
+    ]
+    eagle3 = ["draft.type=eagle3", "draft.vocab_size=2048", "loss.ttt_steps=3"]
+    return [
         ("regenerate", "eagle_train.regenerate", [*target, f"data.path={prompts}", "data.name=families",
          f"out={fam / 'regenerated.jsonl'}", f"max_new_tokens={REGEN_TOKENS}", "batch_size=32",
          "num_threads=1", "progress=false"]),
         ("extract", "eagle_train.extract", [*target, f"data.path={fam / 'regenerated.jsonl'}",
          "data.name=regenerated", f"out_dir={fam / 'features'}", "dtype=float32", "aux=true", "progress=false"]),
-        *((head, "eagle_train.train", [*target, "+recipe=stories260k_cpu", f"features={fam / 'features'}",
-           f"out_dir={fam / head}", f"max_steps={n}", f"max_tokens={STEP_TOKENS}", "eval_every=0",
-           "save_every=0", "log_every=50", "loader_workers=0", "optim.warmup_steps=10", *extra])
-          for head, n, extra in [("eagle1", E1_STEPS, []),
-                                 ("eagle3", E3_STEPS, ["draft.type=eagle3", "draft.vocab_size=2048",
-                                                       "loss.ttt_steps=3"])]),
+        ("eagle1", "eagle_train.train", [*train, f"out_dir={fam / 'eagle1'}", f"max_steps={E1_STEPS}"]),
+        ("eagle3", "eagle_train.train", [*train, f"out_dir={fam / 'eagle3'}", f"max_steps={E3_STEPS}", *eagle3]),
     ]  # fmt: skip
-    for label, module, args in steps:
-        result[label] = stage(fam / f"{label}.log", module, args)
-        if not result[label]["ok"] and label in ("regenerate", "extract"):
-            return _save(done, result)
-    for head in ("eagle1", "eagle3"):
-        if result[head]["ok"]:
-            result[f"eval_{head}"] = evaluate(fam, model, head, questions, vllm=False)
-            if vllm:
-                result[f"vllm_{head}"] = evaluate(fam, model, head, questions, vllm=True)
-    result["vllm"] = vllm
-    result["total_wall_s"] = round(time.perf_counter() - start, 1)
-    return _save(done, result)
 
 
 def _save(path: Path, result: dict) -> dict:

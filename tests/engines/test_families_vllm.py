@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_train.families.matrix import QUESTIONS, run_family
+from eagle_train.families.matrix import QUESTIONS, default_work, run_family
 from eagle_train.families.specs import FAMILIES
 
 pytestmark = pytest.mark.engine
@@ -17,8 +17,9 @@ NOT_SERVED: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("families_vllm")
+def work():
+    """Shared with tests/families/test_matrix.py: the built-in stages a slow run finished are reused."""
+    return default_work()
 
 
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])
