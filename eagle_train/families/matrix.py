@@ -116,7 +116,7 @@ def evaluate(fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> 
     report = json.loads((out / "report.json").read_text())
     res["tau"] = {r["method"]: round(r["tau"], 3) for r in report["results"] if r["tau"] is not None}
     if vllm:
-        rows = (report.get("engines") or {}).get("rows", [])
+        rows = report.get("engines") or []
         res["engines"] = [{k: r.get(k) for k in ("engine", "tau", "counts", "identical", "identity_checked",
                            "same_as_builtin", "compared_with_builtin")} for r in rows]  # fmt: skip
         res["sanity"] = report.get("sanity", [])

@@ -98,10 +98,10 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3", "DeepseekV3Config", "deepseek_v3", 129280, 0, [1],
             "deepseek-ai/DeepSeek-V3",
             dict(tie_word_embeddings=False, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4,
+                 head_dim=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, n_group=1,
                  topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
-            switches="MLA (q/kv LoRA ranks 32, rope 16 + nope 16), MoE with a shared expert",
+            switches="MLA (q/kv LoRA ranks 32, q/k heads 32 = rope 16 + nope 16, v 32), MoE with a shared expert",
         ),
         Family(
             "phi3", "Phi3Config", "phi3", 32064, 1, [32000, 32001, 32007],

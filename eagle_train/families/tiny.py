@@ -158,7 +158,8 @@ def shape(model, tokenizer, settings: BuildSettings) -> dict:
     tied = full_embed is full_head
     small_embed = torch.nn.Parameter(full_embed.detach()[keep].clone())  # [k, d]
     small_head = small_embed if tied else torch.nn.Parameter(full_head.detach()[keep].clone())
-    embed.weight = small_embed
+    embed.weight, padding_idx = small_embed, getattr(embed, "padding_idx", None)
+    embed.padding_idx = None  # an id of the full table (e.g. Qwen's 151643), not a row of the small one
     others = [p for n, p in model.named_parameters() if p is not small_embed and p is not full_head]
     params = [*others, small_embed] + ([] if tied else [small_head])
     try:
@@ -167,7 +168,7 @@ def shape(model, tokenizer, settings: BuildSettings) -> dict:
         with torch.no_grad():
             full_embed[keep] = small_embed.detach()
             full_head[keep] = small_head.detach()
-        embed.weight = full_embed
+        embed.weight, embed.padding_idx = full_embed, padding_idx
     return {
         "steps": settings.shape_steps,
         "kept_ids": len(keep),

@@ -29,7 +29,7 @@ def test_tiny_config_has_the_family_switches(name):
     config = family_config(family)
     assert type(config).__name__ == family.config_class and config.hidden_size == 64
     assert config.vocab_size == family.vocab_size
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)  # MLA: nope + rope
     assert head_dim in (32, 64)  # vLLM's CPU attention runs it without re-expression
     types = getattr(config, "layer_types", None) or []
     if getattr(config, "sliding_window", None):
