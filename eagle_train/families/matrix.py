@@ -74,9 +74,12 @@ def stage(log: Path, module: str, args: list[str]) -> dict:
 def identity(answers: Path) -> dict:
     """Per method: answers whose tokens equal hf's / ar's, and the first differing position of each other."""
     by_key: dict[tuple, dict[str, list[int]]] = {}
+    prompt_lengths: dict[tuple, int] = {}
     for line in answers.read_text().splitlines():
         r = json.loads(line)
-        by_key.setdefault((r["bench"], r["question_id"], r["turn"]), {})[r["method"]] = r["tokens"]
+        key = (r["bench"], r["question_id"], r["turn"])
+        by_key.setdefault(key, {})[r["method"]] = r["tokens"]
+        prompt_lengths[key] = r["prompt_tokens"]
     out = {}
     for method in METHODS:
         rows = [m for m in by_key.values() if method in m]
@@ -91,6 +94,7 @@ def identity(answers: Path) -> dict:
             for ref in ("hf", "ar")
         }
     out["lengths"] = [len(m.get("hf", [])) for m in by_key.values()]
+    out["prompt_lengths"] = list(prompt_lengths.values())
     return out
 
 
@@ -165,6 +169,8 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False) -> dict:
             if result[head]["ok"] and not result.get(label, {}).get("ok"):
                 result[label] = evaluate(fam, model, head, questions, vllm=kind == "vllm")
                 _save(done, result)
+            elif kind == "eval" and result.get(label, {}).get("ok"):  # derived data: always from the answers
+                result[label]["identity"] = identity(fam / label / "answers.jsonl")
     result["vllm"] = vllm or result.get("vllm", False)
     result["total_wall_s"] = round(time.perf_counter() - start, 1)
     return _save(done, result)
