@@ -59,6 +59,8 @@ def stage(log: Path, module: str, args: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
     with log.open("w") as out:
+        out.write(f"$ OMP_NUM_THREADS=1 python -m {module} {' '.join(args)}\n")
+        out.flush()
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT)  # fmt: skip
         _, status, usage = os.wait4(proc.pid, 0)
