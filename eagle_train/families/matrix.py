@@ -201,6 +201,9 @@ def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, 
          "data.name=regenerated", f"out_dir={fam / 'features'}", "dtype=float32", "aux=true", "progress=false"]),
         ("eagle1", "eagle_train.train", [*train, f"out_dir={fam / 'eagle1'}", f"max_steps={E1_STEPS}"]),
         ("eagle3", "eagle_train.train", [*train, f"out_dir={fam / 'eagle3'}", f"max_steps={E3_STEPS}", *eagle3]),
+        *((f"export_{head}_{fmt}", "eagle_train.export", [f"ckpt={fam / head / 'final'}", f"format={fmt}",
+           f"out={fam / 'exports' / f'{head}_{fmt}'}", f"speculative_tokens={CHAIN}"])
+          for head, fmt in (("eagle1", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"))),
     ]  # fmt: skip
 
 

@@ -23,7 +23,7 @@ def decoder_cell(res: dict | None) -> str:
     for method in ("ar", "chain", "eagle1", "eagle2"):
         hf, ar = ident[method]["hf"], ident[method]["ar"]
         diff = ident[method]["hf"]["first_diff"]
-        note = f" (first diff at {diff})" if diff else ""
+        note = f" (first differing answer token: {', '.join(map(str, diff))})" if diff else ""
         parts.append(
             f"{method} = hf {hf['same']}/{hf['of']}{note}"
             + ("" if method == "ar" else f", = ar {ar['same']}/{ar['of']}")
@@ -49,6 +49,13 @@ def vllm_cell(res: dict | None) -> str:
     )
 
 
+def export_cell(result: dict, head: str) -> str:
+    """The head's exports: vLLM's layout (both heads), speculators (EAGLE-3)."""
+    formats = ("vllm", "speculators") if head == "eagle3" else ("vllm",)
+    cells = [f"{fmt}: {stage_cell(result.get(f'export_{head}_{fmt}'))}" for fmt in formats]
+    return "<br>".join(cells)
+
+
 def stage_cell(res: dict | None) -> str:
     error = _cell_error(res)
     return error or f"ok ({res['wall_s']} s)"
@@ -62,8 +69,8 @@ def _cost(result: dict, key: str) -> str:
 def matrix_markdown(results: list[dict]) -> str:
     """One row per family and head type: extract, train, built-in decoder, vLLM; then the costs."""
     lines = [
-        "| family | head | extract | train | built-in decoder (tau; greedy identity) | vLLM |",
-        "|---|---|---|---|---|---|",
+        "| family | head | extract | train | export | built-in decoder (tau; greedy identity) | vLLM |",
+        "|---|---|---|---|---|---|---|",
     ]
     costs = [
         "| family | build + shape | regenerate | extract | train EAGLE-1 | train EAGLE-3 | evaluate (both) | total |",
@@ -76,6 +83,7 @@ def matrix_markdown(results: list[dict]) -> str:
             extract = stage_cell(r.get("extract")) if build.get("ok") else "build " + _cell_error(build)
             lines.append(
                 f"| {first} | {'EAGLE-1' if head == 'eagle1' else 'EAGLE-3'} | {extract} | {stage_cell(r.get(head))} "
+                f"| {export_cell(r, head)} "
                 f"| {decoder_cell(r.get(f'eval_{head}'))} | {vllm_cell(r.get(f'vllm_{head}')) if r.get('vllm') else 'not run'} |"
             )
 
