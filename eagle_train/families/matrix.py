@@ -107,7 +107,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def evaluate(fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> dict:
     """evaluate (and with vllm: engine=vllm) on the trained head; the figures the matrix shows."""
     out = fam / f"eval_{head}"
-    args = [f"target.path={model}", f"target.name=tiny-{fam.name}", f"draft.path={fam / head / 'final'}",
+    args = [*target_args(fam.name, model), f"draft.path={fam / head / 'final'}",
             f"bench=[{questions}]", f"methods=[{','.join(METHODS)}]", f"num_questions={QUESTIONS}",
             f"decode.max_new_tokens={EVAL_TOKENS}", "decode.shape=fixed", "decode.tree=cpu_small",
             "decode.depth=4", "decode.top_k=4", "decode.total_tokens=16", f"decode.chain_length={CHAIN}",
@@ -129,6 +129,15 @@ def evaluate(fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> 
     else:
         res["identity"] = identity(out / "answers.jsonl")
     return res
+
+
+# what the family's preset in conf/target/ sets beyond a path (gpt_oss_20b.yaml: eager attention, no SDPA)
+TARGET_OVERRIDES = {"gpt_oss": ["target.attn_implementation=eager"]}
+
+
+def target_args(name: str, model: Path) -> list[str]:
+    """The target overrides every stage of family `name` takes."""
+    return [f"target.path={model}", f"target.name=tiny-{name}", *TARGET_OVERRIDES.get(name, [])]
 
 
 def default_work() -> Path:
@@ -180,7 +189,7 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False) -> dict:
 
 def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, str, list[str]]]:
     """(label, module, arguments) of the stages after the build, in order."""
-    target = [f"target.path={model}", f"target.name=tiny-{name}"]
+    target = target_args(name, model)
     train = [
         *target,
         "+recipe=stories260k_cpu",
