@@ -100,6 +100,23 @@ def identity(answers: Path) -> dict:
     return out
 
 
+def engine_vs_hf(evaluation: Path, engine: Path) -> dict:
+    """Per vLLM method (ar: no speculation, chain): its answers equal to the model's own `generate` (hf)."""
+    hf = {}
+    for line in (evaluation / "answers.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["method"] == "hf":
+            hf[(r["question_id"], r["turn"])] = r["tokens"]
+    out: dict[str, list[int]] = {}
+    for line in (engine / "engine_answers.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        ref = hf.get((r["question_id"], r["turn"]))
+        if ref is not None:
+            same, of = out.get(r["method"], [0, 0])
+            out[r["method"]] = [same + (r["tokens"] == ref), of + 1]
+    return out
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -182,6 +199,12 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False) -> dict:
                 _save(done, result)
             elif kind == "eval" and result.get(label, {}).get("ok"):  # derived data: always from the answers
                 result[label]["identity"] = identity(fam / label / "answers.jsonl")
+            if (
+                kind == "vllm"
+                and result.get(label, {}).get("ok")
+                and result.get(f"eval_{head}", {}).get("ok")
+            ):
+                result[label]["vs_hf"] = engine_vs_hf(fam / f"eval_{head}", fam / label)
     result["vllm"] = vllm or result.get("vllm", False)
     result["total_wall_s"] = round(time.perf_counter() - start, 1)
     return _save(done, result)

@@ -42,10 +42,11 @@ def vllm_cell(res: dict | None) -> str:
         return "no engine rows"
     ours = rows.get("builtin", {})
     same = "equal" if theirs.get("counts") == ours.get("counts") else "DIFFER"
+    vs_hf = "".join(f"; vLLM {m} = hf {a}/{b}" for m, (a, b) in (res.get("vs_hf") or {}).items())
     return (
         f"tau {theirs['tau']:.3f} (built-in chain {ours.get('tau', float('nan')):.3f}): counters {same}; "
         f"spec = plain {theirs['identical']}/{theirs['identity_checked']}; "
-        f"= built-in {theirs['same_as_builtin']}/{theirs['compared_with_builtin']}"
+        f"= built-in {theirs['same_as_builtin']}/{theirs['compared_with_builtin']}{vs_hf}"
     )
 
 
