@@ -38,3 +38,4 @@ def test_vllm_agrees_with_the_builtin_decoder(name, head, work, engine_python):
     assert theirs["identical"] == theirs["identity_checked"] == QUESTIONS  # speculation changes nothing
     assert theirs["counts"] == ours["counts"]  # vLLM accepts exactly what the built-in chain decoder does
     assert theirs["same_as_builtin"] == theirs["compared_with_builtin"] == QUESTIONS
+    assert all(same == of == QUESTIONS for same, of in run["vs_hf"].values())  # and the model's own generate
