@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_train.families.matrix import default_work, run_family  # noqa: E402
+from eagle_train.families.matrix import default_work, run_family, saved_result  # noqa: E402
 from eagle_train.families.specs import FAMILIES  # noqa: E402
 from eagle_train.families.table import matrix_markdown  # noqa: E402
 from eagle_train.files import atomic_write_text  # noqa: E402
@@ -31,12 +31,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="families run at once")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (engine=vllm) on each head")
     parser.add_argument("--docs", type=Path, default=None, help="write the matrix into this page")
+    parser.add_argument(
+        "--table-only", action="store_true", help="no stage runs: the table of the saved results"
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.families.split(",") if n]
     work = (args.work or default_work()).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda n: run_family(n, work, args.vllm), names))
+    if args.table_only:
+        results = [saved_result(work, n) for n in names]
+    else:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda n: run_family(n, work, args.vllm), names))
     table = matrix_markdown(results)
     print(table)
     if args.docs is not None:

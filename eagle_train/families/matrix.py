@@ -239,6 +239,18 @@ def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, 
     ]  # fmt: skip
 
 
+def saved_result(work: Path, name: str) -> dict:
+    """What the last run of family `name` saved (stages never run show as such in the table)."""
+    path = work / name / "result.json"
+    if not path.is_file():
+        return {
+            "family": name,
+            "switches": FAMILIES[name].switches,
+            "build": {"ok": False, "error": "not run"},
+        }
+    return json.loads(path.read_text())
+
+
 def _save(path: Path, result: dict) -> dict:
     atomic_write_json(path, result)
     return result
