@@ -55,7 +55,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "qwen2_5", "Qwen2Config", "qwen2_5", 152064, 151643, [151645, 151643],
-            "Qwen/Qwen2.5-7B-Instruct", dict(tie_word_embeddings=False, rope_theta=1000000.0),
+            "Qwen/Qwen2.5-7B-Instruct",  # Qwen2's attention ignores head_dim: 2 heads of 64 / 2 = 32
+            dict(tie_word_embeddings=False, rope_theta=1000000.0, num_attention_heads=2, num_key_value_heads=1),
             pad_token_id=151643, switches="qkv bias",
         ),
         Family(

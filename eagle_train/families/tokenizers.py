@@ -261,8 +261,9 @@ def origins_table() -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, s in TOKENIZERS.items():
+        note = (s.note or (f"template: {s.template}" if s.template else "")).replace("|", "\\|")
         rows.append(
             f"| `{name}` | [`{s.package}@{VERSION}`]({s.tarball_url}) | `{s.sha256[:16]}…` | {s.model} | "
-            f"{s.model_license} | {s.note or (f'template: {s.template}' if s.template else '')} |"
+            f"{s.model_license} | {note} |"
         )
     return "\n".join(rows)

@@ -43,6 +43,9 @@ def test_tiny_config_has_the_family_switches(name):
     params = dict(model.named_parameters())
     if name in MARKERS:
         assert MARKERS[name][0] in params, MARKERS[name][1]
+    attention = model.model.layers[-1].self_attn  # the head size the model really uses
+    if hasattr(attention, "head_dim") and name != "deepseek_v3":
+        assert attention.head_dim in (32, 64), f"{name}: attention head_dim {attention.head_dim}"
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     assert tied == family.fields["tie_word_embeddings"]
 
