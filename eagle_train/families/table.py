@@ -103,7 +103,5 @@ def matrix_markdown(results: list[dict]) -> str:
 
         made = round(build.get("build_s", 0) + build.get("shape_s", 0), 1) if build.get("ok") else "-"
         costs.append(f"| {r['family']} | {made} | " + " | ".join(_costs(r)) + " |")
-    note = (
-        "Costs (seconds, wall / CPU time of the stages' processes; build + shape: the builder's own timing, wall)"
-    )
+    note = "Costs (seconds, wall / CPU time of the stages' processes; build + shape: the builder's own timing, wall)"
     return "\n".join(lines) + f"\n\n{note}:\n\n" + "\n".join(costs)
