@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eagle_train.config.base import CONF_DIR, DATA_DIR
+from eagle_train.runtime.atomic_files import cache_dir
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,6 +116,12 @@ def reseal(store: Path, index: int) -> None:
     manifest = json.loads((store / MANIFEST_NAME).read_text())
     manifest["shards"][index].update(sha256=file_sha256(shard), bytes=shard.stat().st_size)
     (store / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+# eagle-train's cache as the user has it (runtime.atomic_files.cache_dir), read before `weight_hash_cache`
+# points the environment elsewhere: the family tests keep their npm tokenizers, built models and finished
+# matrix stages there, outside git, from one session (and one `make` target) to the next
+USER_CACHE = cache_dir()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,7 +7,8 @@ its layer allows (LAYERS: the first matching prefix wins, so specific names come
                  modeling/draft_vocab, the rest of decoding/*, data/batching, data/jsonl, data/templates
                  + torch, numpy; and pure: no file I/O, no clock, no process or thread (PURITY below)
   2 adapters     decoding/decoder, drafter, timing (the decode loop: it runs a model and times itself),
-    and loops    modeling/* and interop/* (the only transformers importers), the rest of data/* (the only
+    and loops    modeling/*, interop/* and families/* (the only transformers importers;
+                 families: tiny family instances), the rest of data/* (the only
                  datasets importers besides stages), store/*, report/* (matplotlib), engines/* (a serving
                  engine in its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
                  engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)
@@ -51,6 +52,7 @@ LAYERS: list[tuple[str, int]] = [
     ("data", 2),
     ("modeling", 2),
     ("interop", 2),
+    ("families", 2),
     ("store", 2),
     ("report", 2),
     ("engines", 2),
@@ -74,6 +76,7 @@ EXTRA = {
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
     "modeling": {"transformers"},
     "interop": {"transformers"},
+    "families": {"transformers"},  # tiny family instances built with transformers' own config classes
     "data": {"datasets"},
     "extract": {"datasets"},
 }

@@ -1,0 +1,132 @@
+"""Every family (eagle_train.families.specs) through every stage on its tiny instance and real tokenizer:
+regenerate, extract (EAGLE-1 + EAGLE-3 features), train both heads, evaluate with hf, ar, chain, eagle1,
+eagle2 on prompts + answers longer than the 16-token windows: every greedy answer identical to the MODEL's own
+`generate` (hf) and to ar, EAGLE-2 accepting several tokens per round; a family the built-in decoder cannot
+verify exactly is refused, by name. Plus one lossless-sampling check per family (chi-square, the helper of
+tests/decoding/test_sampling_generate.py). One matrix run per family per session (scripts/family_matrix.py
+runs the same code and writes docs/families.md)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+
+from eagle_train.config.decode import DecodeConfig
+from eagle_train.config.target import TargetConfig
+from eagle_train.data.render import ChatRenderer
+from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.verify import process_logits
+from eagle_train.families.matrix import QUESTIONS, default_work, run_family
+from eagle_train.families.specs import FAMILIES
+from eagle_train.families.tiny import model_dir
+from eagle_train.families.tokenizers import TokenizerUnavailable
+from eagle_train.interop.layouts import load_draft
+from eagle_train.modeling.target import load_target
+from tests.conftest import USER_CACHE, WINDOW
+from tests.decoding.test_sampling_generate import chi_square_p
+
+pytestmark = pytest.mark.slow
+SPECULATIVE = ("chain", "eagle1", "eagle2")
+JOBS = 2
+# EAGLE_TRAIN_FAMILIES=llama3,gemma3 runs only those (default: every family)
+NAMES = [n for n in os.environ.get("EAGLE_TRAIN_FAMILIES", ",".join(FAMILIES)).split(",") if n in FAMILIES]
+_RESULTS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="session")
+def matrix_work():
+    """The matrix's work directory beside the built models ($EAGLE_TRAIN_CACHE/matrix): a stage that finished
+    for the same model and settings is reused (by the engine tests and the next session too)."""
+    return default_work(USER_CACHE)
+
+
+def family_result(name: str, work) -> dict:
+    """The family's matrix result; the first call runs every family, two at a time (the 2 cores: each stage
+    is one thread), once per session (the tokenizer fetch skips with its reason)."""
+    if name not in _RESULTS:
+        with ThreadPoolExecutor(JOBS) as pool:
+            _RESULTS.update(
+                zip(NAMES, pool.map(lambda n: run_family(n, work, cache=USER_CACHE), NAMES), strict=True)
+            )
+    result = _RESULTS[name]
+    if not result["build"]["ok"] and "TokenizerUnavailable" in result["build"]["error"]:
+        pytest.skip(result["build"]["error"])
+    return result
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_stage(name, matrix_work):
+    family, result = FAMILIES[name], family_result(name, matrix_work)
+    for stage in ("build", "regenerate", "extract", "eagle1", "eagle3"):
+        assert result[stage]["ok"], f"{name} {stage}: {result[stage].get('error')}"
+    for head in ("eagle1", "eagle3"):
+        evaluation = result[f"eval_{head}"]
+        if family.refused:  # the decoder refuses it by name, before decoding anything
+            named = family.config_class.removesuffix("Config").lower()
+            assert not evaluation["ok"] and named in evaluation["error"].lower().replace("_", ""), evaluation
+            continue
+        assert evaluation["ok"], f"{name} {head} evaluate: {evaluation.get('error')}"
+        identity = evaluation["identity"]
+        # every prompt + answer passes the window (the decode-time cache holds more than WINDOW positions)
+        assert all(
+            p + a > WINDOW for p, a in zip(identity["prompt_lengths"], identity["lengths"], strict=True)
+        )
+        for method in ("ar", *SPECULATIVE):
+            for ref in ("hf", "ar"):
+                same = identity[method][ref]
+                assert same["same"] == same["of"] == QUESTIONS, f"{name} {head} {method} vs {ref}: {same}"
+        assert evaluation["tau"]["eagle2"] >= 2.0, f"{name} {head}: {evaluation['tau']}"
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not FAMILIES[n].refused])
+def test_sampling_is_lossless(name, matrix_work):
+    """EAGLE-2 at temperature 1, top-k 3: the first three tokens of 600 seeded generations against the
+    target's exact joint distribution of three tokens."""
+    result = family_result(name, matrix_work)
+    if not result.get("eagle1", {}).get("ok"):
+        pytest.fail(f"{name}: no trained head ({result.get('eagle1')})")
+    model = str(model_dir(name, cache=USER_CACHE))
+    target = load_target(TargetConfig(path=model, name=f"tiny-{name}"))
+    head = load_draft(f"{matrix_work / name / 'eagle1' / 'final'}", target)
+    renderer = ChatRenderer(target.tokenizer, TargetConfig(path=model))
+    prompt = renderer.render_prompt(
+        [{"role": "user", "content": "Once upon a time, there was a little dog."}]
+    )
+    joint = exact_joint(target, prompt, top_k=3, tokens=3)
+    cfg = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16)
+    decoder = SpeculativeDecoder(
+        target, head, replace(cfg, temperature=1.0, top_k_sampling=3, max_new_tokens=3)
+    )
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(600):
+        tokens = tuple(decoder.generate(prompt).tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    assert all(seq in joint for seq in counts)
+    assert chi_square_p(counts, joint) > 1e-3
+
+
+@torch.no_grad()
+def exact_joint(target, prompt: list[int], top_k: int, tokens: int) -> dict[tuple[int, ...], float]:
+    """The target's probability of every `tokens`-token continuation (top-k at T=1), by plain forwards."""
+    joint = {(): 1.0}
+    for _ in range(tokens):
+        nxt = {}
+        for ctx, p in joint.items():
+            logits, _ = target.features(torch.tensor([prompt + list(ctx)]))
+            q = process_logits(logits[0, -1], 1.0, 1.0, top_k).double()
+            nxt.update({(*ctx, t): p * float(q[t]) for t in torch.nonzero(q).flatten().tolist()})
+        joint = nxt
+    return joint
+
+
+def test_tokenizer_errors_skip(monkeypatch):
+    """A family whose tokenizer cannot be fetched is skipped with npm's reason, never failed."""
+    _RESULTS["_probe"] = {
+        "build": {"ok": False, "error": f"TokenizerUnavailable: {TokenizerUnavailable('x')}"}
+    }
+    with pytest.raises(pytest.skip.Exception):
+        family_result("_probe", None)
