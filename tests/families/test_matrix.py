@@ -21,12 +21,12 @@ from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.verify import process_logits
 from eagle_train.families.matrix import QUESTIONS, default_work, run_family
-from eagle_train.families.specs import FAMILIES
+from eagle_train.families.specs import FAMILIES, WINDOW
 from eagle_train.families.tiny import model_dir
 from eagle_train.families.tokenizers import TokenizerUnavailable
 from eagle_train.interop.layouts import load_draft
 from eagle_train.modeling.target import load_target
-from tests.conftest import USER_CACHE, WINDOW
+from tests.conftest import USER_CACHE
 from tests.decoding.test_sampling_generate import chi_square_p
 
 pytestmark = pytest.mark.slow
