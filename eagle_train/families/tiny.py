@@ -181,25 +181,37 @@ def shape(model, tokenizer, settings: BuildSettings) -> dict:
     }
 
 
-@torch.no_grad()
 def push_unused_rows(model, keep: torch.Tensor, seqs: list[list[int]], settings: BuildSettings) -> float:
-    """Give the LM-head rows of ids that never occur a logit of about `settings.unused_logit` on the text.
-    Shaping trains only the kept rows; the 120k-260k others keep logits near 0 while the greedy token's is
+    """Give the LM-head rows of ids that never occur a negative logit on every position of the text.
+    Shaping trains only the kept rows; the 120k-260k others kept logits near 0 while the greedy token's is
     about 7, so the greedy token held about 1% of the probability and a draft's node values (EAGLE-2's
-    products of probabilities) were flat: its trees stayed two levels deep. Each unused row becomes
-    -s * (the unit mean of the final hidden states), s chosen so their mean logit is `unused_logit`; those
-    ids never occur as inputs, so a tied table changes nothing else. Returns the largest unused logit seen
-    on the sample (it must stay well below the kept tokens')."""
+    products of probabilities) were flat: its trees stayed two levels deep. A direction v with h . v > 0
+    for the final hidden states h of a sample of the text is fitted (logistic loss, 64 parameters, LBFGS),
+    and every unused row becomes -s * v, s giving them a mean logit of `settings.unused_logit`; those ids
+    never occur as inputs, so a tied table changes nothing else. Returns the largest unused logit on the
+    sample (negative when v separates every hidden state; recorded in shaping.json)."""
     head = model.get_output_embeddings().weight  # [vocab, d]
-    sample = [seqs[i] for i in range(0, len(seqs), max(1, len(seqs) // 32))][:32]
+    sample = [seqs[i] for i in range(0, len(seqs), max(1, len(seqs) // 64))][:64]
     ids, mask = _pad(sample, pad=0)
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]  # [tokens, d]
-    direction = hidden.mean(0) / hidden.mean(0).norm()
-    scale = -settings.unused_logit / float((hidden @ direction).mean())
-    unused = torch.ones(head.shape[0], dtype=torch.bool)
-    unused[keep] = False
-    head[unused] = scale * direction
-    return round(float((hidden @ (scale * direction)).max()), 2)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]  # [n, d]
+    direction = torch.zeros(hidden.shape[1], requires_grad=True)
+    fit = torch.optim.LBFGS([direction], max_iter=200)
+
+    def loss() -> torch.Tensor:
+        fit.zero_grad()
+        value = torch.nn.functional.softplus(-(hidden @ direction)).mean() + 1e-4 * direction.square().sum()
+        value.backward()
+        return value
+
+    fit.step(loss)
+    with torch.no_grad():
+        projection = hidden @ direction  # [n]
+        scale = settings.unused_logit / float(projection.mean())
+        unused = torch.ones(head.shape[0], dtype=torch.bool)
+        unused[keep] = False
+        head[unused] = scale * direction.detach()
+    return round(float(projection.min()) * scale, 2)
 
 
 def _train(model, seqs, remap, head_weight, params, settings: BuildSettings) -> list[float]:
