@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import Round, SpeculativeDecoder, record_rounds
@@ -21,6 +20,7 @@ from eagle_train.decoding.tree import build_tree, shape_from_paths
 from eagle_train.decoding.verify import accept_sampling, process_logits
 from eagle_train.modeling.hf_generate import HFGenerate
 from eagle_train.modeling.target import load_target
+from tests.chi_square import chi_square_p
 from tests.conftest import DATA
 
 SPEC = {
@@ -244,15 +244,6 @@ def _node_paths(tree):
     return paths
 
 
-def pooled_chi_square_p(counts: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Chi-square p-value with the cells expected fewer than `min_expected` times pooled into one (the
-    test's validity condition: one observation in a cell expected 0.01 times would alone give p ~ 1e-20)."""
-    small = expected < min_expected
-    observed = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
-    wanted = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
-    return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head"])
 @pytest.mark.parametrize("sample_children", [False, True])
@@ -263,8 +254,7 @@ def test_sampling_is_lossless_on_stories260k(request, target, head_kind, sample_
     counts, exact = joint_counts(target, head, sample_children, runs=3000, seed=7)
     support = exact.flatten() > 0
     assert counts.flatten()[~support].sum() == 0  # nothing outside the target's top-k support
-    n = counts.sum()
-    assert pooled_chi_square_p(counts.flatten()[support], exact.flatten()[support] * n) > 1e-3
+    assert chi_square_p(counts.flatten()[support].numpy(), exact.flatten()[support].numpy()) > 1e-3
 
 
 @pytest.mark.slow

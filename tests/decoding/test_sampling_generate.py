@@ -12,11 +12,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.verify import process_logits
+from tests.chi_square import chi_square_p
 from tests.decoding.test_decoder import prompts
 
 pytestmark = pytest.mark.slow
@@ -65,22 +65,18 @@ def sample_counts(target, head, cfg: DecodeConfig) -> dict[tuple[int, ...], int]
     return counts
 
 
-def chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float]) -> float:
-    """p-value of the counts under the exact joint (cells expected below 5 pooled into one)."""
-    total = sum(counts.values())
-    big = [seq for seq, p in joint.items() if p * total >= 5]
-    observed = [counts.get(seq, 0) for seq in big]
-    expected = [joint[seq] * total for seq in big]
-    observed.append(total - sum(observed))  # the pooled cell (and anything outside the support)
-    expected.append(max(total - sum(expected), 1e-9))
-    return float(chisquare(observed, expected).pvalue)
+def sequence_chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float]) -> float:
+    """p-value of the sequence counts under the exact joint (a sampled sequence outside it fails)."""
+    cells = list(joint)
+    observed = [counts.get(seq, 0) for seq in cells] + [sum(n for s, n in counts.items() if s not in joint)]
+    return chi_square_p(observed, [joint[seq] for seq in cells] + [0.0])
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_generate_samples_the_targets_distribution(target, trained_head, exact_joint, name):
     counts = sample_counts(target, trained_head, CONFIGS[name])
     assert all(seq in exact_joint for seq in counts)  # nothing outside the target's top-k support
-    assert chi_square_p(counts, exact_joint) > 1e-3
+    assert sequence_chi_square_p(counts, exact_joint) > 1e-3
 
 
 def test_the_end_to_end_test_rejects_a_verifier_that_keeps_rejected_children(
@@ -105,7 +101,7 @@ def test_the_end_to_end_test_rejects_a_verifier_that_keeps_rejected_children(
     monkeypatch.setattr(decoder, "accept_sampling", keep_rejected)
     counts = sample_counts(target, trained_head, CONFIGS["eagle1"])
     assert all(seq in exact_joint for seq in counts)  # still inside the support: only the rates are wrong
-    assert chi_square_p(counts, exact_joint) < 1e-3
+    assert sequence_chi_square_p(counts, exact_joint) < 1e-3
 
 
 def test_the_joint_is_a_distribution(exact_joint):

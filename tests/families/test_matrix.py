@@ -27,7 +27,7 @@ from eagle_train.families.tokenizers import TokenizerUnavailable
 from eagle_train.interop.layouts import load_draft
 from eagle_train.modeling.target import load_target
 from tests.conftest import USER_CACHE
-from tests.decoding.test_sampling_generate import chi_square_p
+from tests.decoding.test_sampling_generate import sequence_chi_square_p
 
 pytestmark = pytest.mark.slow
 SPECULATIVE = ("chain", "eagle1", "eagle2")
@@ -106,7 +106,7 @@ def test_sampling_is_lossless(name, matrix_work):
         tokens = tuple(decoder.generate(prompt).tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
     assert all(seq in joint for seq in counts)
-    assert chi_square_p(counts, joint) > 1e-3
+    assert sequence_chi_square_p(counts, joint) > 1e-3
 
 
 @torch.no_grad()
