@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from eagle_train.allocator import map_large_allocations
 from eagle_train.config.base import resolve_path
+from eagle_train.config.draft import EAGLE3_FAMILY
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
 from eagle_train.entry import on_main, stage_lock, stage_main
@@ -118,7 +119,7 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         target = load_target(cfg.target, accelerator.device)
     else:
         target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
-    aux_layers = target.aux_layers if cfg.draft.type == "eagle3" else None  # EAGLE-3's features
+    aux_layers = target.aux_layers if cfg.draft.type in EAGLE3_FAMILY else None  # EAGLE-3's features
     if cfg.data.source == "online":
         with accelerator.main_process_first():
             source, identity = open_online(cfg, target, hf_config)
@@ -219,7 +220,7 @@ def evaluate(
         batch = objective.prepare(data.batch(indices, accelerator.device, head.fc.weight.dtype))
         with accelerator.autocast():
             eagle3_lm = (
-                lm_weight if head.kind == "eagle3" else None
+                None if head.kind == "eagle1" else lm_weight
             )  # EAGLE-1: the head's logits are the target's
             for key, value in draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm).items():
                 totals[key] += value

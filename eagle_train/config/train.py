@@ -198,4 +198,4 @@ class TrainConfig:
                 f"eval_every and save_every must be >= 0 (0 = only at the end), got {self.eval_every}, {self.save_every}"
             )
         if self.loss.noise is None:
-            self.loss.noise = "none" if self.draft.type == "eagle3" else "uniform"
+            self.loss.noise = "uniform" if self.draft.type == "eagle1" else "none"

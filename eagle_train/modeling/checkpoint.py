@@ -1,9 +1,11 @@
 """Draft-head checkpoints in the serving layout: `model.safetensors` + `config.json`.
 
 The weights are the head's own: EAGLE-1/2 fc.*, layers.* (no embedding, no LM head); EAGLE-3 fc.*,
-midlayer.*, norm, its own lm_head, d2t, t2d (no embedding). config.json is the draft's Llama config
+midlayer.*, layers.* (layers 1..N-1), norm, its own lm_head, d2t, t2d (no embedding); P-EAGLE also
+mask_hidden and mask_embedding (the learned row of its mask token). config.json is the draft's Llama config
 (the target's shapes, `num_hidden_layers` = the head's layers; EAGLE-3 also its architecture, draft
-vocabulary and aux layer ids, eagle_train.modeling.eagle3) plus an `eagle_train` block: the head type,
+vocabulary and aux layer ids, eagle_train.modeling.eagle3; P-EAGLE its mask token, eagle_train.modeling.peagle)
+plus an `eagle_train` block: the head type,
 the target it was trained for, fc bias, training max length. Writes are atomic.
 """
 
@@ -29,6 +31,13 @@ from eagle_train.modeling.eagle3 import (
     is_eagle3_config,
     recorded_aux_layers,
 )
+from eagle_train.modeling.peagle import (
+    PEAGLE_FIELDS,
+    is_peagle_config,
+    peagle_config_fields,
+    peagle_from_config,
+    recorded_mask_token,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -40,6 +49,8 @@ def head_config_dict(head: DraftHead | Eagle3Head, meta: dict[str, Any] | None =
     config["architectures"] = ["LlamaForCausalLM"]
     if head.kind == "eagle3":
         config.update(eagle3_config_fields(head))
+    elif head.kind == "peagle":
+        config.update(peagle_config_fields(head))
     config["eagle_train"] = {"type": head.kind, "fc_bias": head.fc.bias is not None, **(meta or {})}
     return config
 
@@ -85,11 +96,14 @@ def load_head(
         if not f.is_file():
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
     raw = read_json(config_file, "draft head config")
-    eagle3 = is_eagle3_config(raw)
+    eagle3, peagle = is_eagle3_config(raw), is_peagle_config(raw)
     meta = raw.pop("eagle_train", {})
-    dropped = ("architectures", "model_type", *(EAGLE3_FIELDS if eagle3 else ()))
+    dropped = ("architectures", "model_type", *(EAGLE3_FIELDS + PEAGLE_FIELDS if eagle3 else ()))
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
-    if eagle3:
+    if peagle:
+        mask = recorded_mask_token(raw)
+        head = peagle_from_config(config, raw, recorded_aux_layers(raw), mask, target=target)
+    elif eagle3:
         head = eagle3_from_config(config, raw, recorded_aux_layers(raw), target=target)
     else:
         head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)), target=target)
