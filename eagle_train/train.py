@@ -155,17 +155,17 @@ def train_step(
     plus `positions` (real head positions), not yet reduced across processes.
 
     The loss is normalised by the normalisers of the WHOLE step (all micro-batches, all processes).
-    Each micro-batch's noise comes from its own seed (a function of its place in the epoch plan), so
-    the noise does not depend on how the micro-batches are spread over processes."""
-    batches = [objective.prepare(b) for b in batches]
+    Each micro-batch's noise (and P-EAGLE's COD sample, drawn first) comes from its own seed (a function of
+    its place in the epoch plan), so neither depends on how the micro-batches are spread over processes."""
+    generators = [torch.Generator(device=accelerator.device).manual_seed(seed) for seed in noise_seeds]
+    batches = [objective.prepare(b, g) for b, g in zip(batches, generators, strict=True)]
     local = torch.stack([objective.normalisers(b) for b in batches]).sum(0)
     global_normalisers = accelerator.reduce(local.clone(), "sum")
     # The loss is already a mean over the whole step; undo DDP's/DeepSpeed's average over processes and
     # accelerate's/DeepSpeed's division by the accumulation steps.
     scale = accelerator.num_processes * cfg.grad_accum
     totals = dict.fromkeys((*objective.terms, "positions"), 0.0)
-    for i, batch in enumerate(batches):
-        generator = torch.Generator(device=accelerator.device).manual_seed(noise_seeds[i])
+    for batch, generator in zip(batches, generators, strict=True):
         with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
             sums = objective.sums(model, batch, generator)
             accelerator.backward(objective.loss(sums, global_normalisers) * scale)
@@ -407,7 +407,7 @@ def window_metrics(
     and the throughput (head positions per second, seconds per optimizer step)."""
     values = objective.summary(totals)
     values["train_top1"] = values.pop("top1")
-    for key in [k for k in values if k.startswith("ttt_acc_step")]:
+    for key in [k for k in values if k.startswith(("ttt_acc_step", "cod_acc_depth"))]:
         values[f"train_{key}"] = values.pop(key)
     seconds = max(seconds, 1e-9)
     return {**values, "tokens_per_s": totals["positions"] / seconds, "step_s": seconds / max(steps, 1)}

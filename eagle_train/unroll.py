@@ -1,4 +1,5 @@
-"""A draft head unrolled over its own outputs: EAGLE-3's training-time test and the chain metrics.
+"""A draft head unrolled over its own outputs: EAGLE-3's training-time test and the chain metrics (and a
+P-EAGLE head unrolled over its placeholders: `parallel_unroll`, the chain metrics of P-EAGLE).
 
 Step 0 runs the head on the real pairs (feature_j, t_{j+1}) of every position j at once. Step k (k >= 1)
 feeds each position its own step k-1 output with the token k further on, (h^{k-1}_j, t_{j+1+k}), at
@@ -128,4 +129,23 @@ def unroll(
     for k in range(steps):
         fed = head(shift_left(input_ids, k, 0), fed, positions + k, None, cache)
         outputs.append(fed)
+    return outputs
+
+
+def parallel_unroll(
+    head: nn.Module,
+    input_ids: torch.Tensor,  # [batch, n] t_{j+1}
+    features: torch.Tensor,  # [batch, n, 3 d_t] the real features of position j
+    steps: int,
+) -> list[torch.Tensor]:
+    """A P-EAGLE head's outputs [batch, n, hidden] at steps 0..steps-1: step 0 the real pairs, step k >= 1
+    the placeholders (mask token, mask_hidden: `head.placeholders`) at position j + k. With the prefix +
+    diagonal attention above, step k at column j is the draft vLLM makes at slot k of a chain anchored at
+    j: one causal forward over [pairs 0..j | k placeholders] (tests/test_cod.py checks it)."""
+    cache = DiagonalCache()
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    outputs = [head(input_ids, features, positions, None, cache)]
+    ids, fed = head.placeholders(input_ids, features, torch.ones_like(input_ids, dtype=torch.bool))
+    for k in range(1, steps):
+        outputs.append(head(ids, fed, positions + k, None, cache))
     return outputs

@@ -3,7 +3,7 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows:
   0 foundation   config/*, files, lock, allocator        stdlib, omegaconf
-  1 pure cores   loss, logits, metrics, kv_cache, unroll, vocab, decoding/*, report, report_engines, data/batching,
+  1 pure cores   loss, logits, metrics, kv_cache, unroll, cod, vocab, decoding/*, report, report_engines, data/batching,
                  data/jsonl, data/templates
                                                          + torch, numpy (report: matplotlib)
   2 adapters     modeling/* (the only transformers importers), the rest of data/* (the only datasets
@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, int]] = [
     ("metrics", 1),
     ("kv_cache", 1),
     ("unroll", 1),
+    ("cod", 1),
     ("vocab", 1),
     ("decoding", 1),
     ("report_engines", 1),
