@@ -130,7 +130,8 @@ def calibrate(
     candidates: dict[int, list[int]] = {}
     static = shape_from_paths(static_paths) if static_paths else None
     inputs = max(max_depth * max_k, static.size if static else 0)
-    drafter = Drafter(head, capacity, inputs, GenerationStats(), lean)
+    parallel = max_depth if getattr(head, "kind", None) == "peagle" else 0  # P-EAGLE: every tree's depths
+    drafter = Drafter(head, capacity, inputs, GenerationStats(), lean, parallel)
     plan = plan_static(static, device) if static else None
     static_match: list[torch.Tensor] = []
     spans, start = [], 0
