@@ -22,6 +22,7 @@ from eagle_train.config.export import ExportConfig
 from eagle_train.entry import stage_lock, stage_main
 from eagle_train.files import remove_partial_files
 from eagle_train.modeling.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
+from eagle_train.modeling.draft import frozen_modules
 from eagle_train.modeling.interop import export_head, load_input_embedding, recorded_target
 from eagle_train.modeling.reexpress import widen_head
 from eagle_train.modeling.target import torch_dtype
@@ -87,6 +88,14 @@ def local_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or Path(source).exists() or source.count("/") > 1
 
 
+def target_embedding(cfg: ExportConfig, recorded: dict, ckpt: Path, why: str):
+    """The target's input embedding [vocab, d] from `target_path` or the source the checkpoint records."""
+    source = cfg.target_path or recorded_target(recorded)[1]
+    if not source:
+        raise ValueError(f"export ({why}): {ckpt} records no target source; set target_path=...")
+    return load_input_embedding(resolve_path(source) or source)
+
+
 def run(cfg: ExportConfig) -> Path:
     """Export `cfg.ckpt` to `cfg.out` in `cfg.format`; returns the output directory."""
     if not cfg.out:
@@ -94,15 +103,15 @@ def run(cfg: ExportConfig) -> Path:
     ckpt = checkpoint_dir(cfg.ckpt)
     head, recorded = load_head(ckpt)
     meta = export_meta(recorded, cfg, ckpt)
+    embed = None
+    if cfg.format == "eagle" or head.kind == "peagle":
+        embed = target_embedding(cfg, recorded, ckpt, "format=eagle" if cfg.format == "eagle" else "P-EAGLE")
+    if head.kind == "peagle":  # it ships the target's embedding with its learned mask row in place
+        head.hold_frozen(frozen_modules(embed.to(head.fc.weight.dtype)))
+        embed = None
     if cfg.head_dim and cfg.head_dim != head.config.head_dim:
         meta["reexpressed"] = {"head_dim": head.config.head_dim, "new_head_dim": cfg.head_dim}
         head = widen_head(head, cfg.head_dim)
-    embed = None
-    if cfg.format == "eagle":
-        source = cfg.target_path or recorded_target(recorded)[1]
-        if not source:
-            raise ValueError(f"export format=eagle: {ckpt} records no target source; set target_path=...")
-        embed = load_input_embedding(resolve_path(source) or source)
     out_dir = resolve_path(cfg.out) or Path(cfg.out)
     with stage_lock(out_dir, "export"):
         if out_dir.parent.is_dir():
