@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from eagle_train.decoding.decoder import head_reads
+from eagle_train.decoding.decoder import head_reads, parallel_slots
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic
 from eagle_train.decoding.stats import GenerationStats
@@ -196,7 +196,7 @@ def measure_costs(
             )
             logits[0].argmax(dim=-1).tolist()
 
-        parallel = max_depth if getattr(head, "kind", None) == "peagle" else 0
+        parallel = parallel_slots(head, max_depth + 1)
         drafter = Drafter(
             head, context, max(max_depth * max_k, max_nodes), GenerationStats(), parallel=parallel
         )

@@ -165,8 +165,8 @@ class SpeculativeDecoder:
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
             self._expand = self._expand_dynamic
             self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
-        static_depth = self.shape.max_depth if cfg.method in ("chain", "eagle1") else 0
-        self.parallel = parallel_slots(head, cfg, static_depth)  # P-EAGLE's placeholders per draft forward
+        depth = self.shape.max_depth if cfg.method in ("chain", "eagle1") else cfg.depth + 1
+        self.parallel = parallel_slots(head, depth if cfg.speculative else 0)  # P-EAGLE's per draft forward
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
 
@@ -348,12 +348,10 @@ class SpeculativeDecoder:
         return self._drafter
 
 
-def parallel_slots(head: DraftModel | None, cfg: DecodeConfig, static_depth: int = 0) -> int:
-    """A P-EAGLE head's placeholders per draft forward: one per tree depth after the first (chain and
-    static trees: their depth - 1; eagle2: `depth`, its trees being depth + 1 deep); 0 for other heads."""
-    if getattr(head, "kind", None) != "peagle" or not cfg.speculative:
-        return 0
-    return cfg.depth if cfg.method == "eagle2" else max(static_depth - 1, 0)
+def parallel_slots(head: DraftModel | None, tree_depth: int) -> int:
+    """A P-EAGLE head's placeholders per draft forward for trees up to `tree_depth` deep (a chain of K:
+    K; eagle2: depth + 1): one per depth after the first; 0 for other heads. The one home of that rule."""
+    return max(tree_depth - 1, 0) if getattr(head, "kind", None) == "peagle" else 0
 
 
 def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:
