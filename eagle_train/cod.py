@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_train.unroll import FLASH_CPU, DiagonalCache, PrefixDiagonalAttention, dense_prefix_diagonal
+
 
 def cod_sample(
     valid: torch.Tensor,  # [n] bool: head positions whose predicted token is trained (the loss mask)
@@ -129,3 +131,101 @@ def expected_elements(n: int, num_depths: int, r: float, r_min: float) -> int:
             break
         total, chains = total + size, size
     return total
+
+
+@dataclass
+class CodDepths:
+    """A batch's COD elements grouped by depth, for the depth-by-depth forward (`cod_forward`): depth 0 is
+    every position; per depth d >= 1, [b, m_d] (m_d the most any row keeps):"""
+
+    anchors: list[torch.Tensor]  # [b, m_d] long, sorted per row (padding: 0)
+    valid: list[torch.Tensor]  # [b, m_d] bool
+    # chain[d - 1][j - 1] [b, m_d]: where each depth-d element's own chain element of depth j (1 <= j < d)
+    # sits in depth j's layout (its anchor's index there)
+    chain: list[list[torch.Tensor]]
+
+
+def by_depth(cod: CodBatch, num_depths: int) -> CodDepths:
+    """`cod`'s elements of depth 1..num_depths-1 per depth (depth-d anchors are among depth j's, j < d)."""
+    anchors, valid, chain = [], [], []
+    big = int(cod.anchor.max()) + 1 if cod.anchor.numel() else 1
+    for d in range(1, num_depths):
+        picked = cod.real & (cod.depth == d)  # [b, T]
+        width = int(picked.sum(1).max()) if picked.numel() else 0
+        if width == 0:
+            break
+        rank = picked.cumsum(1) - 1  # [b, T]: each picked element's slot in its row
+        slot = torch.where(picked, rank, width)  # unpicked ones to a spare column, cut below
+        anchor = cod.anchor.new_full((cod.anchor.shape[0], width + 1), big).scatter_(1, slot, cod.anchor)
+        is_valid = torch.zeros_like(anchor, dtype=torch.bool).scatter_(1, slot, picked)
+        anchor, is_valid = anchor[:, :width].contiguous(), is_valid[:, :width]
+        # padding sorts last (big) for the lookups below, then reads as anchor 0
+        chain.append(
+            [torch.searchsorted(earlier, anchor).clamp(max=earlier.shape[1] - 1) for earlier in anchors]
+        )
+        anchors.append(anchor)
+        valid.append(is_valid)
+    return CodDepths([torch.where(v, a, 0) for a, v in zip(anchors, valid, strict=True)], valid, chain)
+
+
+class CodCache(DiagonalCache):
+    """The attention of `cod_forward`: depth 0 is the real sequence (causal, the fused kernel); a depth-d
+    element attends to the depth-0 keys up to its anchor and to its own chain's keys of depths 1..d (gathered
+    from the earlier depths' keys), one [m_d, n] score block per depth: the flattened sequence's mask
+    (`cod_attention_mask`) without its [T, T] block."""
+
+    def __init__(self, depths: CodDepths, length: int):
+        super().__init__()
+        self.depths, self.length = depths, length
+
+    def attend(self, layer_idx, q, k, v):
+        keys = self.keys.get(layer_idx, [])
+        if not keys:
+            return super().attend(layer_idx, q, k, v)  # depth 0: the real prefix, causal
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        keys.append(k)
+        self.values[layer_idx].append(v)
+        d = len(keys) - 1
+        chain = [*self.depths.chain[d - 1], None]  # the earlier depths' slots, then this depth's own
+
+        def own(stack):  # [b, h, m_d, d, e]: the element's chain at depths 1..d
+            picked = [stack[j] if at is None else _take(stack[j], at) for j, at in enumerate(chain, start=1)]
+            return torch.stack(picked, dim=-2)
+
+        anchor = self.depths.anchors[d - 1]  # [b, m_d]
+        future = torch.arange(self.length, device=q.device) > anchor[:, None, :, None]  # [b, 1, m_d, n]
+        prefix = (q, keys[0], self.values[layer_idx][0], own(keys), own(self.values[layer_idx]))
+        if q.device.type == "cpu" and FLASH_CPU is not None:  # the fused kernel: no [m_d, n] scores kept
+            additive = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill(
+                future, float("-inf")
+            )
+            return PrefixDiagonalAttention.apply(*prefix, additive)
+        return dense_prefix_diagonal(*prefix, future)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [b, h, m, e] at index [b, m'] along m: [b, h, m', e]."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+
+
+def cod_forward(
+    head, input_ids: torch.Tensor, features: torch.Tensor, depths: CodDepths, forward=None
+) -> list[torch.Tensor]:
+    """The head's states of every COD element, depth by depth: [b, n, d] at depth 0 (the real pairs), then
+    [b, m_d, d] per depth (the placeholders at position anchor + d). The same function as one forward over
+    the flattened sequence with its mask (tests/test_cod.py); on a CPU far faster (the real prefix through
+    the fused causal kernel, [m_d, n] score blocks instead of [T, T]). `forward`: what runs the head (a
+    DDP-wrapped one; default the head itself)."""
+    forward = forward or head
+    n = input_ids.shape[1]
+    cache = CodCache(depths, n)
+    states = [forward(input_ids, features, torch.arange(n, device=input_ids.device)[None], None, cache)]
+    for d, anchor in enumerate(depths.anchors, start=1):
+        shape = (*anchor.shape, features.shape[-1])
+        ids, fed = head.placeholders(
+            anchor, features.new_zeros(shape), torch.ones_like(anchor, dtype=torch.bool)
+        )
+        states.append(forward(ids, fed, anchor + d, None, cache))
+    return states

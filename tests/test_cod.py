@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_train.cod import CodBatch, cod_attention_mask, cod_sample, expected_elements, flatten_cod
+from eagle_train.cod import (
+    CodBatch,
+    by_depth,
+    cod_attention_mask,
+    cod_forward,
+    cod_sample,
+    expected_elements,
+    flatten_cod,
+)
 from eagle_train.loss import parallel_loss_sums
 from eagle_train.modeling.peagle import PEagleHead
 from eagle_train.unroll import parallel_unroll
@@ -140,3 +148,58 @@ def test_the_chunked_loss_equals_one_chunk_and_kl_is_ce_minus_the_entropy(soft):
         torch.testing.assert_close(kl["ce"], expected)
         grad_kl = torch.autograd.grad(kl["ce"].sum(), states)[0]
         torch.testing.assert_close(grad_kl, grad_whole[0])
+
+
+@torch.no_grad()
+def test_the_depth_by_depth_forward_is_the_flattened_one():
+    """`cod_forward` (the real prefix through the causal kernel, one [m_d, n] block per depth) gives every
+    element the state the flattened sequence with its [T, T] mask gives it."""
+    head = peagle_head(layers=3)
+    b, n, steps = 3, 20, 5
+    ids, feats = (
+        torch.randint(4, 50, (b, n), generator=generator(3)),
+        torch.randn(b, n, 96, generator=generator(4)),
+    )
+    valid = torch.rand(b, n, generator=generator(6)) < 0.8
+    cod = flatten_cod(valid, torch.tensor([n, 13, 17]), steps, 0.8, 0.3, generator(7))
+    fed_ids, fed = head.placeholders(cod.gather(ids), cod.gather(feats), cod.depth > 0)
+    flat = head(fed_ids, fed, cod.positions, cod_attention_mask(cod))
+    depths = by_depth(cod, steps)
+    states = cod_forward(head, ids, feats, depths)
+    assert len(states) == steps and depths.valid[0].sum() > depths.valid[-1].sum() > 0
+    for row in range(b):
+        for t in torch.nonzero(cod.real[row]).flatten().tolist():
+            a, d = int(cod.anchor[row, t]), int(cod.depth[row, t])
+            here = d and (depths.anchors[d - 1][row] == a) & depths.valid[d - 1][row]
+            slot = a if d == 0 else int(here.nonzero())  # exactly one element of that depth and anchor
+            torch.testing.assert_close(states[d][row, slot], flat[row, t], rtol=1e-4, atol=1e-5)
+
+
+def test_the_depth_by_depth_gradients_are_the_flattened_ones():
+    """The CPU's fused kernel with the anchors' mask (PrefixDiagonalAttention) backpropagates exactly what
+    the flattened forward does, into every weight (mask_hidden and the mask row included)."""
+    head = peagle_head(layers=2)
+    b, n, steps = 2, 16, 4
+    ids, feats = (
+        torch.randint(4, 50, (b, n), generator=generator(8)),
+        torch.randn(b, n, 96, generator=generator(9)),
+    )
+    cod = flatten_cod(
+        torch.ones(b, n, dtype=torch.bool), torch.tensor([n, 12]), steps, 0.8, 0.4, generator(10)
+    )
+    weight = torch.randn(b, cod.anchor.shape[1], 32, generator=generator(11))
+    fed_ids, fed = head.placeholders(cod.gather(ids), cod.gather(feats), cod.depth > 0)
+    flat = head(fed_ids, fed, cod.positions, cod_attention_mask(cod))
+    params = [p for name, p in head.named_parameters() if not name.startswith(("norm.", "lm_head."))]
+    expected = torch.autograd.grad((flat * weight * cod.real[..., None]).sum(), params)
+    depths = by_depth(cod, steps)
+    states = cod_forward(head, ids, feats, depths)
+    real = (torch.arange(n) < torch.tensor([n, 12])[:, None])[..., None]  # [b, n, 1]: depth 0's elements
+    total = (states[0] * weight[:, :n] * real).sum()  # depth 0 sits first in each row, at its position
+    for d, valid in enumerate(depths.valid, start=1):
+        for row in range(b):
+            slots = torch.nonzero(cod.real[row] & (cod.depth[row] == d)).flatten()
+            total = total + (states[d][row, valid[row]] * weight[row, slots]).sum()
+    got = torch.autograd.grad(total, params)
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from eagle_train.cod import CodBatch, cod_attention_mask, flatten_cod
+from eagle_train.cod import CodBatch, by_depth, cod_attention_mask, cod_forward, flatten_cod
 from eagle_train.config.train import LossConfig
 from eagle_train.logits import LogitTransform
 from eagle_train.loss import (
@@ -228,19 +228,44 @@ class PEagleObjective(Eagle3Objective):
     def sums(self, model, batch, generator):
         head, cod = getattr(model, "module", model), self.elements(batch)
         features = noisy_features(batch, self.cfg, generator)
-        ids, feats = head.placeholders(cod.gather(batch["input_ids"]), cod.gather(features), cod.depth > 0)
-        states = model(ids, feats, cod.positions, cod_attention_mask(cod), None)  # [b, T, d]
-        on_mask = self._on_mask(batch, cod)
-        picked = lambda x: cod.gather(x)[on_mask]  # noqa: E731 [M, ...] per element on the loss mask
+        rows, positions, depth, states = self._elements_on_mask(model, head, batch, features, cod)
+        picked = lambda x: x[rows, positions]  # noqa: E731 [M, ...]: at each element's head position
         draft_ids, labels = head.vocab_map.to(self.lm_weight.device), picked(batch["labels"])
         draft_index = torch.cumsum(self.t2d.long(), 0) - 1  # [vocab] the draft id of each kept token
         sums = parallel_loss_sums(
-            states[on_mask], head.logits, picked(batch["target_hidden"]), self.lm_weight[draft_ids],
-            draft_index[labels], picked(batch["greedy"]), self.t2d[labels], cod.depth[on_mask], draft_ids,
+            states, head.logits, picked(batch["target_hidden"]), self.lm_weight[draft_ids],
+            draft_index[labels], picked(batch["greedy"]), self.t2d[labels], depth, draft_ids,
             self.steps, self.cfg.soft, self.cfg.divergence == "kl",
             None if self.transform.identity else self.transform,
         )  # fmt: skip
         return {f"{name}_{d}": sums[name][d] for d in range(self.steps) for name in sums}
+
+    def _elements_on_mask(self, model, head, batch, features, cod: CodBatch):
+        """(row [M], head position [M], depth [M], state [M, d]) of every element on the loss mask, from
+        one forward over the flattened sequence (an accelerator: the memory-efficient attention kernel
+        takes its mask) or depth by depth (a CPU: `cod_forward`, the same states, several times faster)."""
+        mask = batch["loss_mask"].bool()
+        rows = torch.arange(mask.shape[0], device=mask.device)[:, None]
+        if mask.device.type != "cpu":
+            ids, feats = head.placeholders(
+                cod.gather(batch["input_ids"]), cod.gather(features), cod.depth > 0
+            )
+            states = model(ids, feats, cod.positions, cod_attention_mask(cod), None)  # [b, T, d]
+            on = self._on_mask(batch, cod)
+            return rows.expand_as(on)[on], cod.positions[on], cod.depth[on], states[on]
+        depths = by_depth(cod, self.steps)
+        per_depth = cod_forward(head, batch["input_ids"], features, depths, forward=model)
+        n = mask.shape[1]
+        found = [(rows.expand_as(mask)[mask], torch.nonzero(mask)[:, 1], torch.zeros_like(mask[mask], dtype=torch.long),
+                  per_depth[0][mask])]  # fmt: skip
+        for d, (anchor, valid, states) in enumerate(
+            zip(depths.anchors, depths.valid, per_depth[1:], strict=True), start=1
+        ):
+            on = valid & mask.gather(1, (anchor + d).clamp(max=n - 1))
+            found.append(
+                (rows.expand_as(on)[on], (anchor + d)[on], torch.full_like(anchor[on], d), states[on])
+            )
+        return tuple(torch.cat(parts) for parts in zip(*found, strict=True))
 
     def loss(self, sums, normalisers):
         ce = sum(sums[f"ce_{d}"] for d in range(self.steps))
