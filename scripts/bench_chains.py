@@ -1,12 +1,12 @@
-"""One head's chains on stories260K in the built-in decoder, side by side in one process: each K, the K
+"""Heads' chains on stories260K in the built-in decoder, side by side in ONE process: each K, the K
 `decode.shape=auto` chooses, and the EAGLE-2 tree it chooses (a P-EAGLE head: a tree from its one forward).
 
-    python scripts/bench_chains.py HEAD_DIR [--chains 3,5,7,8] [--questions 20] [--out FILE] [--threads 1]
+    python scripts/bench_chains.py NAME=HEAD_DIR [NAME=HEAD_DIR ...] [--chains 3,5,7,8] [--questions 20] [--out FILE]
 
-The decoders (ar, chain K for every K, chain at the chosen K, eagle2 at the chosen shape) answer the first
-`--questions` TinyStories prompts and mt_bench first turns (128 new tokens), each question by every decoder
-in turn (evaluate.answer_question: the load of the moment falls on all alike; greedy answers checked
-against ar's), after one untimed warm-up question. The shapes are chosen on held-out questions (the ones
+The decoders (ar, then per head: chain K for every K, chain at the chosen K, eagle2 at the chosen shape) answer
+the first `--questions` TinyStories prompts and mt_bench first turns (128 new tokens), each question by every
+decoder of every head in turn (evaluate.answer_question: the load of the moment falls on all alike, so the
+heads' tokens/s compare directly; greedy answers checked against ar's), after one untimed warm-up question. The shapes are chosen on held-out questions (the ones
 after the first `--questions`) as the evaluate stage chooses them (decoding.shapes.tune_shapes, its cost
 curves cached beside --out). Per (bench, decoder): tau, acceptance by position, draft milliseconds per
 round (the draft phase: catch-up and draft steps), tokens/s, speedup over ar and greedy identity
@@ -56,26 +56,35 @@ def chosen_shapes(target, head, renderer, questions: int, prompt_limit: int, cac
     }
 
 
-def decoders(target, head, chains: list[int], shapes: dict) -> dict[str, SpeculativeDecoder]:
-    """ar first (the baseline), then every chain, the chosen chain and the chosen tree."""
-    made = {"ar": SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW_TOKENS))}
+def decoders(target, name: str, head, chains: list[int], shapes: dict) -> dict[str, SpeculativeDecoder]:
+    """`name/chainK` for every K, `name/chain_auto` (the chosen K) and `name/eagle2_auto` (the chosen tree)."""
     fields = {f"chain{k}": {"method": "chain", "chain_length": k} for k in chains}
     fields["chain_auto"] = {"method": "chain", "chain_length": shapes["chain"]["chain_length"]}
     tree = shapes["eagle2"]
     fields["eagle2_auto"] = {"method": "eagle2", **{k: tree[k] for k in ("depth", "top_k", "total_tokens")}}
-    for name, cfg in fields.items():
-        made[name] = SpeculativeDecoder(target, head, DecodeConfig(max_new_tokens=NEW_TOKENS, **cfg))
-    return made
+    return {
+        f"{name}/{kind}": SpeculativeDecoder(target, head, DecodeConfig(max_new_tokens=NEW_TOKENS, **cfg))
+        for kind, cfg in fields.items()
+    }
 
 
-def sweep(head_dir: Path, chains: list[int], questions: int, cache: Path) -> dict:
-    """Every decoder on every bench (module docstring); returns the summary rows and the choice."""
+def sweep(heads: dict[str, Path], chains: list[int], questions: int, cache: Path) -> dict:
+    """Every decoder of every head on every bench (module docstring); per head its rows and its choice."""
     target = load_target(to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig))
-    head = load_draft(head_dir, target)
     renderer = ChatRenderer(target.tokenizer, target.cfg, target.max_len)
     limit = target.max_len - NEW_TOKENS
-    shapes = chosen_shapes(target, head, renderer, questions, limit, cache)
-    made = decoders(target, head, chains, shapes)
+    made = {"ar": SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW_TOKENS))}
+    loaded = {}
+    for name, head_dir in heads.items():
+        head = load_draft(head_dir, target)
+        shapes = chosen_shapes(target, head, renderer, questions, limit, cache)
+        loaded[name] = {
+            "head": str(head_dir),
+            "kind": head.kind,
+            "layers": int(head.config.num_hidden_layers),
+        }
+        loaded[name]["chosen"] = shapes
+        made.update(decoders(target, name, head, chains, shapes))
     records = []
     for bench in BENCHES:
         asked = load_questions(bench, questions, 1)
@@ -89,8 +98,13 @@ def sweep(head_dir: Path, chains: list[int], questions: int, cache: Path) -> dic
         mine = [r for r in records if (r["bench"], r["method"]) == (row["bench"], row["method"])]
         rounds = sum(len(r["accept_lengths"]) for r in mine if r["method"] != "ar")
         row["draft_ms_per_round"] = 1e3 * sum(r["time_draft"] for r in mine) / rounds if rounds else None
-    return {"head": str(head_dir), "kind": head.kind, "layers": int(head.config.num_hidden_layers),
-            "chosen": shapes, "rows": rows}  # fmt: skip
+    for name, result in loaded.items():  # each head's rows, ar's among them, its decoders named as above
+        result["rows"] = [
+            {**r, "method": r["method"].removeprefix(f"{name}/")}
+            for r in rows
+            if r["method"] == "ar" or r["method"].startswith(f"{name}/")
+        ]
+    return loaded
 
 
 def print_rows(name: str, result: dict) -> None:
@@ -110,21 +124,25 @@ def print_rows(name: str, result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("head", help="a trained head's directory (run/final, or any layout load_draft reads)")
+    ap.add_argument(
+        "heads", nargs="+", help="NAME=DIR: a trained head (run/final, any layout load_draft reads)"
+    )
     ap.add_argument("--chains", default="3,5,7,8")
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=None, help="JSON result (default: HEAD/../chains.json)")
+    ap.add_argument("--out", default="bench_results/chains.json", help="JSON result")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    head = Path(args.head)
-    out = Path(args.out) if args.out else head.parent / "chains.json"
+    heads = dict(spec.split("=", 1) for spec in args.heads)
+    out = Path(args.out)
     start, load = time.perf_counter(), os.getloadavg()
-    result = sweep(head, [int(k) for k in args.chains.split(",")], args.questions, out.parent / "costs")
-    result.update(seconds=time.perf_counter() - start, loadavg_start=load, loadavg_end=os.getloadavg())
+    chains = [int(k) for k in args.chains.split(",")]
+    result = sweep({k: Path(v) for k, v in heads.items()}, chains, args.questions, out.parent / "costs")
+    result = {"heads": result, "seconds": time.perf_counter() - start, "loadavg": [load, os.getloadavg()]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print_rows(head.parent.name, result)
+    for name, head in result["heads"].items():
+        print_rows(name, head)
 
 
 if __name__ == "__main__":

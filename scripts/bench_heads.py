@@ -19,10 +19,11 @@
    evaluation inside the budget but the final one;
 5. evaluation (--eval tree): the stage itself on TinyStories prompts and mt_bench with the same EAGLE-2
    tree (the demo's depth 7 / top_k 10 / 80 nodes) and the ar baseline timed in the same run: tau,
-   acceptance by position, tokens/s, speedup, greedy identity; (--eval chains) scripts/bench_chains.py:
-   the built-in decoder's chains of every K in --chains, the K decode.shape=auto chooses and its EAGLE-2
-   tree, side by side in one process (tau, acceptance by position, draft ms per round, tokens/s, speedup),
-   and per benchmark the ratio of each head's best tokens/s (and best speedup) to the first head's.
+   acceptance by position, tokens/s, speedup, greedy identity; (--eval chains, once every head is trained)
+   scripts/bench_chains.py with ALL the heads in one process, each question decoded by every head's
+   decoders in turn: the built-in decoder's chains of every K in --chains, the K decode.shape=auto chooses
+   and its EAGLE-2 tree (tau, acceptance by position, draft ms per round, tokens/s, speedup), and per
+   benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's.
 
 The stages run as subprocesses with OMP_NUM_THREADS=1, --jobs heads at once (each head's calibration,
 training and evaluation in turn, one core each: heads run side by side meet the same phase of a shared
@@ -53,7 +54,7 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle3_vocab256": ["draft.type=eagle3", "draft.vocab_size=256"],
     "peagle": ["draft.type=peagle"],  # P-EAGLE: COD over 8 depths (r 0.8, r_min 0.2), one layer
     "peagle_2l": ["draft.type=peagle", "draft.num_layers=2"],  # vLLM's benchmark heads have 2 layers
-    "peagle_2l_k4": ["draft.type=peagle", "draft.num_layers=2", "loss.cod.num_depths=4"],
+    "peagle_k4": ["draft.type=peagle", "loss.cod.num_depths=4"],  # COD over the depths a chain reaches here
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree
 
@@ -204,12 +205,10 @@ def budget_run(work: Path, store: Path, name: str, args: argparse.Namespace) -> 
 
 
 def evaluations(work: Path, run: Path, args: argparse.Namespace, reuse: bool) -> dict:
-    """--eval's: `eval` (the evaluate stage's EAGLE-2 tree) and / or `chains` (scripts/bench_chains.py)."""
-    kinds = args.eval.split(",")
-    out = {"eval": evaluate(work, run, args.questions, reuse)} if "tree" in kinds else {}
-    if "chains" in kinds:
-        out["chains"] = chain_sweep(work, run, argparse.Namespace(**{**vars(args), "reuse": reuse}))
-    return out
+    """--eval tree: `eval` (the evaluate stage's EAGLE-2 tree); the chains are swept after every head
+    trained (`chain_sweep`), and `run` kept for that."""
+    out = {"eval": evaluate(work, run, args.questions, reuse)} if "tree" in args.eval.split(",") else {}
+    return {**out, "run": str(run)}
 
 
 def best_chains(results: dict) -> list[str]:
@@ -303,13 +302,15 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # each head: its own process, 1 thread
         done = pool.map(lambda name: budget_run(work, aux_store, name, args), names)
         results.update(zip(names, done, strict=True))
-    print_table(results, stores)
     if "chains" in args.eval:
         from bench_chains import print_rows  # scripts/ is on the path of a script run
 
+        swept = chain_sweep(work, {name: Path(r["run"]) for name, r in results.items()}, args)
         for name, r in results.items():
+            r["chains"] = swept[name]
             print_rows(name, r["chains"])
         print("\n" + "\n".join(best_chains(results)))
+    print_table(results, stores)
     record = {
         "args": vars(args),
         "tree": TREE,
