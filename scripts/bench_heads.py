@@ -155,18 +155,16 @@ def evaluate(work: Path, run: Path, questions: int, reuse: bool) -> dict:
     return {f"{r['bench']}/{r['method']}": r for r in report["results"]}
 
 
-def chain_sweep(work: Path, run: Path, args: argparse.Namespace) -> dict:
-    """scripts/bench_chains.py on the head trained in `run` (one thread); its JSON result."""
-    out = work / "chains" / f"{run.name}_q{args.questions}_k{args.chains.replace(',', '-')}.json"
+def chain_sweep(work: Path, runs: dict[str, Path], args: argparse.Namespace) -> dict:
+    """scripts/bench_chains.py on every head trained (name -> run), all in one process (one thread), each
+    question decoded by every head in turn: the heads' tokens/s measured at the same moments."""
+    tag = "_".join(run.name for run in runs.values())
+    out = work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}.json"
     if not (args.reuse and out.is_file()):
-        script = [
-            str(run / "final"),
-            f"--chains={args.chains}",
-            f"--questions={args.questions}",
-            f"--out={out}",
-        ]
-        stage("scripts/bench_chains.py", script, work / "logs" / f"{out.stem}.log", script=True)
-    return json.loads(out.read_text())
+        heads = [f"{name}={run / 'final'}" for name, run in runs.items()]
+        script = [*heads, f"--chains={args.chains}", f"--questions={args.questions}", f"--out={out}"]
+        stage("scripts/bench_chains.py", script, work / "logs" / "chains.log", script=True)
+    return json.loads(out.read_text())["heads"]
 
 
 def held_out(run: Path) -> dict:
