@@ -89,7 +89,7 @@ def make_decoders(
 def load_head(cfg: EvaluateConfig, target: Target):
     """The draft head when a method needs one (else None)."""
     needs_head = any(m not in ("ar", "hf") for m in evaluated_methods(cfg, target))
-    return load_draft(cfg.draft.path, target) if needs_head else None
+    return load_draft(cfg.draft.path, target, mask_token_id=cfg.draft.mask_token_id) if needs_head else None
 
 
 def tune_bench(

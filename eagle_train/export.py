@@ -22,6 +22,7 @@ from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
 from eagle_train.interop.layouts import export_head, load_input_embedding, recorded_target
 from eagle_train.interop.reexpress import widen_head
+from eagle_train.modeling.draft import frozen_modules
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.target import torch_dtype
 from eagle_train.runtime.atomic_files import remove_partial_files
@@ -71,7 +72,7 @@ def export_meta(meta: dict, cfg: ExportConfig, ckpt: Path) -> dict:
     max_len = cfg.max_len or meta.get("max_len")
     if target_id is None or max_len is None:
         log.warning("checkpoint %s records no target id or max_len; set target_id=... max_len=...", ckpt)
-    # weights_sha256 is the checkpoint file's (modeling.checkpoint.check_head_files), not the export's
+    # weights_sha256 is the checkpoint file's (modeling.head_checkpoint.check_head_files), not the export's
     meta = {
         k: v for k, v in meta.items() if k not in ("target_source", "source_checkpoint", "weights_sha256")
     }
@@ -91,6 +92,14 @@ def local_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or Path(source).exists() or source.count("/") > 1
 
 
+def target_embedding(cfg: ExportConfig, recorded: dict, ckpt: Path, why: str):
+    """The target's input embedding [vocab, d] from `target_path` or the source the checkpoint records."""
+    source = cfg.target_path or recorded_target(recorded)[1]
+    if not source:
+        raise ValueError(f"export ({why}): {ckpt} records no target source; set target_path=...")
+    return load_input_embedding(resolve_path(source) or source)
+
+
 def run(cfg: ExportConfig) -> Path:
     """Export `cfg.ckpt` to `cfg.out_dir` in `cfg.format`; returns the output directory."""
     if not cfg.out_dir:
@@ -98,15 +107,15 @@ def run(cfg: ExportConfig) -> Path:
     ckpt = checkpoint_dir(cfg.ckpt)
     head, recorded = load_head(ckpt)
     meta = export_meta(recorded, cfg, ckpt)
+    embed = None
+    if cfg.format == "eagle" or head.kind == "peagle":
+        embed = target_embedding(cfg, recorded, ckpt, "format=eagle" if cfg.format == "eagle" else "P-EAGLE")
+    if head.kind == "peagle":  # it ships the target's embedding with its learned mask row in place
+        head.hold_frozen(frozen_modules(embed.to(head.fc.weight.dtype)))
+        embed = None
     if cfg.head_dim and cfg.head_dim != head.config.head_dim:
         meta["reexpressed"] = {"head_dim": head.config.head_dim, "new_head_dim": cfg.head_dim}
         head = widen_head(head, cfg.head_dim)
-    embed = None
-    if cfg.format == "eagle":
-        source = cfg.target_path or recorded_target(recorded)[1]
-        if not source:
-            raise ValueError(f"export format=eagle: {ckpt} records no target source; set target_path=...")
-        embed = load_input_embedding(resolve_path(source) or source)
     out_dir = resolve_path(cfg.out_dir) or Path(cfg.out_dir)
     with stage_lock(out_dir, "export"):
         if out_dir.parent.is_dir():

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from eagle_train.cli import on_main, stage_lock, stage_main
 from eagle_train.config.base import resolve_path
+from eagle_train.config.draft import EAGLE3_FAMILY
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
 from eagle_train.modeling.frozen import load_frozen_target
@@ -118,7 +119,7 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         target = load_target(cfg.target, accelerator.device)
     else:
         target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
-    aux_layers = target.aux_layers if cfg.draft.type == "eagle3" else None  # EAGLE-3's features
+    aux_layers = target.aux_layers if cfg.draft.type in EAGLE3_FAMILY else None  # EAGLE-3's features
     with accelerator.local_main_process_first():  # one process per node hashes the weight files, once
         target.weight_files  # noqa: B018 (cached on the target and on disk)
     if cfg.data.source == "online":
@@ -156,17 +157,17 @@ def train_step(
     plus `positions` (real head positions), not yet reduced across processes.
 
     The loss is normalised by the normalisers of the WHOLE step (all micro-batches, all processes).
-    Each micro-batch's noise comes from its own seed (a function of its place in the epoch plan), so
-    the noise does not depend on how the micro-batches are spread over processes."""
-    batches = [objective.prepare(b) for b in batches]
+    Each micro-batch's noise (and P-EAGLE's COD sample, drawn first) comes from its own seed (a function of
+    its place in the epoch plan), so neither depends on how the micro-batches are spread over processes."""
+    generators = [torch.Generator(device=accelerator.device).manual_seed(seed) for seed in noise_seeds]
+    batches = [objective.prepare(b, g) for b, g in zip(batches, generators, strict=True)]
     local = torch.stack([objective.normalisers(b) for b in batches]).sum(0)
     global_normalisers = accelerator.reduce(local.clone(), "sum")
     # The loss is already a mean over the whole step; undo DDP's/DeepSpeed's average over processes and
     # accelerate's/DeepSpeed's division by the accumulation steps.
     scale = accelerator.num_processes * cfg.grad_accum
     totals = dict.fromkeys((*objective.terms, "positions"), 0.0)
-    for i, batch in enumerate(batches):
-        generator = torch.Generator(device=accelerator.device).manual_seed(noise_seeds[i])
+    for batch, generator in zip(batches, generators, strict=True):
         with accelerator.accumulate(model), accelerator.autocast():  # gradient sync on the last one only
             sums = objective.sums(model, batch, generator)
             accelerator.backward(objective.loss(sums, global_normalisers) * scale)
@@ -221,7 +222,7 @@ def evaluate(
         batch = objective.prepare(data.batch(indices, accelerator.device, head.fc.weight.dtype))
         with accelerator.autocast():
             eagle3_lm = (
-                lm_weight if head.kind == "eagle3" else None
+                None if head.kind == "eagle1" else lm_weight
             )  # EAGLE-1: the head's logits are the target's
             for key, value in draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm).items():
                 totals[key] += value
@@ -429,7 +430,7 @@ def window_metrics(
     and the throughput (head positions per second, seconds per optimizer step)."""
     values = objective.summary(totals)
     values["train_top1"] = values.pop("top1")
-    for key in [k for k in values if k.startswith("ttt_acc_step")]:
+    for key in [k for k in values if k.startswith(("ttt_acc_step", "cod_acc_depth"))]:
         values[f"train_{key}"] = values.pop(key)
     seconds = max(seconds, 1e-9)
     return {**values, "tokens_per_s": totals["positions"] / seconds, "step_s": seconds / max(steps, 1)}

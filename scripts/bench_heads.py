@@ -1,6 +1,7 @@
-"""EAGLE-1 vs EAGLE-3 heads on stories260K under the same CPU training budget (wall-clock).
+"""EAGLE-1 vs EAGLE-3 vs P-EAGLE heads on stories260K under the same CPU training budget (wall-clock).
 
     python scripts/bench_heads.py [--minutes 40] [--heads eagle1,eagle3_ttt5] [--jobs 2] [--conversations 3000]
+    python scripts/bench_heads.py --heads eagle3_ttt5,peagle_2l --eval chains   # P-EAGLE vs EAGLE-3 chains
     python scripts/bench_heads.py --reuse            # keep data, stores and finished trainings in --work
     python scripts/bench_heads.py --heads ""         # only the data and the two stores
 
@@ -16,9 +17,13 @@
    time per step (once); the realised time is reported beside the budget;
 4. training: the stage itself (`python -m eagle_train.train +recipe=stories260k_cpu ...`, one thread), no
    evaluation inside the budget but the final one;
-5. evaluation: the stage itself on TinyStories prompts and mt_bench with the same EAGLE-2 tree (the
-   demo's depth 7 / top_k 10 / 80 nodes) and the ar baseline timed in the same run: tau, acceptance by
-   position, tokens/s, speedup, greedy identity.
+5. evaluation (--eval tree): the stage itself on TinyStories prompts and mt_bench with the same EAGLE-2
+   tree (the demo's depth 7 / top_k 10 / 80 nodes) and the ar baseline timed in the same run: tau,
+   acceptance by position, tokens/s, speedup, greedy identity; (--eval chains, once every head is trained)
+   scripts/bench_chains.py with ALL the heads in one process, each question decoded by every head's
+   decoders in turn: the built-in decoder's chains of every K in --chains, the K decode.shape=auto chooses
+   and its EAGLE-2 tree (tau, acceptance by position, draft ms per round, tokens/s, speedup), and per
+   benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's.
 
 The stages run as subprocesses with OMP_NUM_THREADS=1, --jobs heads at once (each head's calibration,
 training and evaluation in turn, one core each: heads run side by side meet the same phase of a shared
@@ -47,19 +52,23 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle3_ttt3": ["draft.type=eagle3", "loss.ttt_steps=3"],
     "eagle3_ttt2": ["draft.type=eagle3", "loss.ttt_steps=2"],
     "eagle3_vocab256": ["draft.type=eagle3", "draft.vocab_size=256"],
+    "peagle": ["draft.type=peagle"],  # P-EAGLE: COD over 8 depths (r 0.8, r_min 0.2), one layer
+    "peagle_2l": ["draft.type=peagle", "draft.num_layers=2"],  # vLLM's benchmark heads have 2 layers
+    "peagle_k4": ["draft.type=peagle", "loss.cod.num_depths=4"],  # COD over the depths a chain reaches here
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree
 
 
-def stage(module: str, args: list[str], log: Path) -> float:
-    """Run `python -m module args` (one thread), its output in `log`; returns its wall time."""
+def stage(module: str, args: list[str], log: Path, script: bool = False) -> float:
+    """Run `python -m module args` (`script`: `python module args`) with one thread, its output in `log`;
+    returns its wall time."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     start = time.perf_counter()
+    command = [PYTHON, module, *args] if script else [PYTHON, "-m", module, *args]
     with log.open("w") as out:
-        done = subprocess.run(
-            [PYTHON, "-m", module, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"{module} failed (exit {done.returncode}); see {log}")
     return time.perf_counter() - start
@@ -146,6 +155,18 @@ def evaluate(work: Path, run: Path, questions: int, reuse: bool) -> dict:
     return {f"{r['bench']}/{r['method']}": r for r in report["results"]}
 
 
+def chain_sweep(work: Path, runs: dict[str, Path], args: argparse.Namespace) -> dict:
+    """scripts/bench_chains.py on every head trained (name -> run), all in one process (one thread), each
+    question decoded by every head in turn: the heads' tokens/s measured at the same moments."""
+    tag = "_".join(run.name for run in runs.values())
+    out = work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}.json"
+    if not (args.reuse and out.is_file()):
+        heads = [f"{name}={run / 'final'}" for name, run in runs.items()]
+        script = [*heads, f"--chains={args.chains}", f"--questions={args.questions}", f"--out={out}"]
+        stage("scripts/bench_chains.py", script, work / "logs" / "chains.log", script=True)
+    return json.loads(out.read_text())["heads"]
+
+
 def held_out(run: Path) -> dict:
     """The final held-out metrics of a run (first-step top-1, chain acceptance)."""
     lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -177,8 +198,33 @@ def budget_run(work: Path, store: Path, name: str, args: argparse.Namespace) -> 
         "train_s": loop_s,  # the training loop's own time (setup and the final evaluation excluded)
         "stage_s": float((run / "wall_s").read_text()),
         "held_out": held_out(run),
-        "eval": evaluate(work, run, args.questions, args.reuse and not fresh),
+        **evaluations(work, run, args, args.reuse and not fresh),
     }
+
+
+def evaluations(work: Path, run: Path, args: argparse.Namespace, reuse: bool) -> dict:
+    """--eval tree: `eval` (the evaluate stage's EAGLE-2 tree); the chains are swept after every head
+    trained (`chain_sweep`), and `run` kept for that."""
+    out = {"eval": evaluate(work, run, args.questions, reuse)} if "tree" in args.eval.split(",") else {}
+    return {**out, "run": str(run)}
+
+
+def best_chains(results: dict) -> list[str]:
+    """Per benchmark and head: the fastest chain (every K and the chosen one) by tokens/s, with its tau and
+    speedup, and its ratio to the first head's (tokens/s, and speedup: each over its own ar)."""
+    lines, first = [], {}
+    for name, r in results.items():
+        for bench in ("tinystories", "mt_bench"):
+            rows = [x for x in r["chains"]["rows"] if x["bench"] == bench and x["method"].startswith("chain")]
+            best = max(rows, key=lambda x: x["tokens_per_s"])
+            base = first.setdefault(bench, best)
+            lines.append(
+                f"{bench:12s} {name:14s} best {best['method']:11s} tau {best['tau']:.2f} "
+                f"{best['tokens_per_s']:6.0f} tok/s ({best['speedup']:.2f}x ar): "
+                f"{best['tokens_per_s'] / base['tokens_per_s']:.2f}x / {best['speedup'] / base['speedup']:.2f}x "
+                f"the first head's"
+            )
+    return lines
 
 
 def print_table(results: dict, stores: dict) -> None:
@@ -192,12 +238,12 @@ def print_table(results: dict, stores: dict) -> None:
     for name, r in results.items():
         row = f"{name:16s} {r['steps']:6d} {r['train_s']:8.0f} {r['held_out'].get('eval/top1', 0):6.3f}"
         row += f" {r['held_out'].get('eval/accept_len', 0):7.2f}"
-        for bench in ("tinystories", "mt_bench"):
+        for bench in ("tinystories", "mt_bench") if "eval" in r else ():
             e = r["eval"][f"{bench}/eagle2"]
             row += f" | {e['tau']:13.2f} {e['tokens_per_s']:6.0f} {e['speedup']:6.2f}x {e['identical']}/{e['identity_checked']}"
         print(row)
     for name, r in results.items():
-        for bench in ("tinystories", "mt_bench"):
+        for bench in ("tinystories", "mt_bench") if "eval" in r else ():
             rates = r["eval"][f"{bench}/eagle2"]["acceptance_by_position"]
             shown = " ".join("-" if x is None else f"{x:.2f}" for x in rates[:8])
             print(f"  acceptance by position {name:14s} {bench:11s}: {shown}")
@@ -213,12 +259,17 @@ def main() -> None:
     )
     ap.add_argument("--conversations", type=int, default=3000, help="TinyStories prompts the target answers")
     ap.add_argument("--questions", type=int, default=20, help="questions per benchmark")
+    ap.add_argument("--eval", default="tree", help="tree (the evaluate stage's EAGLE-2) and/or chains")
+    ap.add_argument("--chains", default="3,5,7,8", help="--eval chains: the chain lengths K swept")
     ap.add_argument("--calib-steps", type=int, default=40)
     ap.add_argument("--tolerance", type=float, default=0.15, help="accepted miss of the budget (fraction)")
     ap.add_argument("--work", default=str(REPO / "bench_results" / "heads_work"))
     ap.add_argument("--reuse", action="store_true", help="keep what --work already holds")
     ap.add_argument("--out", default=str(REPO / "bench_results" / "heads.json"))
     args = ap.parse_args()
+    if not set(args.eval.split(",")) <= {"tree", "chains"}:
+        raise SystemExit(f"--eval takes tree and/or chains, got {args.eval!r}")
+    load = os.getloadavg()
     names = [n for n in args.heads.split(",") if n]
     fixed = [spec.partition("@") for spec in filter(None, args.fixed_steps.split(","))]
     bad = [f"{n}{at}{k}" for n, at, k in fixed if not (at and k.isdigit() and int(k) > 0)]
@@ -244,11 +295,19 @@ def main() -> None:
             "steps": int(steps),
             "train_s": sum(n * s for n, s in windows(run)),
             "held_out": held_out(run),
-            "eval": evaluate(work, run, args.questions, args.reuse),
+            **evaluations(work, run, args, args.reuse),
         }
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # each head: its own process, 1 thread
         done = pool.map(lambda name: budget_run(work, aux_store, name, args), names)
         results.update(zip(names, done, strict=True))
+    if "chains" in args.eval:
+        from bench_chains import print_rows  # scripts/ is on the path of a script run
+
+        swept = chain_sweep(work, {name: Path(r["run"]) for name, r in results.items()}, args)
+        for name, r in results.items():
+            r["chains"] = swept[name]
+            print_rows(name, r["chains"])
+        print("\n" + "\n".join(best_chains(results)))
     print_table(results, stores)
     record = {
         "args": vars(args),
@@ -256,7 +315,9 @@ def main() -> None:
         "store_bytes_per_token": stores,
         "store_counts": aux_counts,
         "results": results,
+        "loadavg": {"start": load, "end": os.getloadavg()},
     }
+    print(f"load average: start {load[0]:.1f}, end {os.getloadavg()[0]:.1f} (1 min)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

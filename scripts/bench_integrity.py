@@ -15,7 +15,7 @@ Part 2 (with `--base DIR`: a checkout of the code before the change, e.g.
 process, alternated, best of `--repeats`: an extraction rerun over a complete store (every shard kept),
 offline training's start (the target's frozen parts and the store's checks, train.prepare_data), the
 evaluation's start (the target, the head and the report note: evaluate.load_head + draft_notes) and
-the export's head load (modeling.checkpoint.load_head). The weight-file hash cache is warm (the first
+the export's head load (modeling.head_checkpoint.load_head). The weight-file hash cache is warm (the first
 time is part 1's figure). One thread; prints a table and writes bench_results/integrity.json.
 """
 

@@ -340,3 +340,28 @@ def test_eagle3_export_import_gives_identical_decoder_output(target, tmp_path, c
     else:
         assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
     assert_same_decoding(target, head, load_draft(out, target), abs_confidence=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_peagle_export_ships_the_targets_embedding_and_decodes_as_trained(target, tmp_path, fmt):
+    """The export stage on a P-EAGLE checkpoint (which holds one learned row, not the embedding): the file
+    carries the TARGET's embedding with that row in place (read from the recorded target source, at the
+    re-expressed head_dim too), and load_draft decodes exactly as the trained head does."""
+    from eagle_train.modeling.peagle import PEagleHead
+
+    torch.manual_seed(5)
+    head = PEagleHead.from_target(target.config, target.aux_layers, 256, 0, target=target, num_layers=2)
+    head.set_vocabulary(torch.arange(512) % 2 == 1, target.lm_head.weight)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.requires_grad and "lm_head" not in name:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+    meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"}, "max_len": 384}
+    ckpt = save_head(head, tmp_path / "ckpt", meta)
+    for head_dim, out in ((None, tmp_path / fmt), (32, tmp_path / f"{fmt}32")):
+        extra = [f"head_dim={head_dim}"] if head_dim else []
+        run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={out}", *extra))
+        embed = load_file(str(out / "model.safetensors"))["embed_tokens.weight"]
+        assert torch.equal(embed[1:], target.embed_tokens.weight[1:])  # the target's, not a random one
+        assert torch.equal(embed[0], head.mask_embedding.detach())
+    assert_same_decoding(target, head.eval(), load_draft(tmp_path / fmt, target), abs_confidence=1e-3)

@@ -19,7 +19,7 @@ from eagle_train.data.tinystories import parse_args as tinystories_args
 from eagle_train.pipeline import run
 
 # (experiment, extra overrides, expected name): the GPU preset with every target preset
-PRESETS = [("tiny_cpu", [], "tiny_cpu"), ("tiny_cpu_eagle3", [], "tiny_cpu_eagle3")] + [
+PRESETS = [(p, [], p) for p in ("tiny_cpu", "tiny_cpu_eagle3", "tiny_cpu_peagle")] + [
     ("gpu_reference", [f"vars.target={t}"], t)
     for t in ("llama3_1_8b_instruct", "vicuna_7b_v1_3", "qwen2_5_7b_instruct", "mistral_7b_instruct")
 ]
@@ -64,7 +64,7 @@ def test_preset_stages_accept_their_overrides(preset, extra, name, tmp_path):
             assert importlib.util.find_spec(spec.module) is not None, spec.module
 
 
-@pytest.mark.parametrize("preset", ["tiny_cpu", "tiny_cpu_eagle3"])
+@pytest.mark.parametrize("preset", ["tiny_cpu", "tiny_cpu_eagle3", "tiny_cpu_peagle"])
 @pytest.mark.parametrize("processes, tokens", [(1, 4096), (2, 2048), (4, 1024)])
 def test_demo_training_step_holds_4096_tokens_on_any_process_count(preset, processes, tokens):
     """vars.processes shares the demo's training step out: the same optimizer step on any count."""

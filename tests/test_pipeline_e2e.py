@@ -28,10 +28,11 @@ REDUCED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experiment", ["tiny_cpu", "tiny_cpu_eagle3"])
+@pytest.mark.parametrize("experiment", ["tiny_cpu", "tiny_cpu_eagle3", "tiny_cpu_peagle"])
 def test_reduced_demo(tmp_path, capsys, experiment):
-    """The EAGLE-1 demo and the EAGLE-3 one (aux features in the store, an EAGLE-3 head through
-    evaluation: every greedy answer equal to plain decoding's)."""
+    """The EAGLE-1 demo, the EAGLE-3 one (aux features in the store, an EAGLE-3 head through evaluation:
+    every greedy answer equal to plain decoding's) and the P-EAGLE one (every method drafting a round in
+    one forward)."""
     cfg = to_schema(
         compose(
             "pipeline",
@@ -61,7 +62,8 @@ def test_reduced_demo(tmp_path, capsys, experiment):
     assert all(rows[m]["identical"] == rows[m]["answers"] == 2 for m in ("chain", "eagle1", "eagle2"))
     assert rows["eagle2"]["tau"] > 1.0 and rows["chain"]["tau"] > 1.0  # even a briefly trained head drafts
     head = json.loads((tmp_path / "train" / "final" / "config.json").read_text())
-    assert head["eagle_train"]["type"] == ("eagle3" if experiment.endswith("eagle3") else "eagle1")
+    kinds = {"tiny_cpu": "eagle1", "tiny_cpu_eagle3": "eagle3", "tiny_cpu_peagle": "peagle"}
+    assert head["eagle_train"]["type"] == kinds[experiment]
     for name in (
         "report.md",
         "acceptance_by_position.png",

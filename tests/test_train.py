@@ -156,14 +156,18 @@ def test_loss_falls_and_checkpoints_are_written(tiny_store, tmp_path):
 
 
 EAGLE3 = ("draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3")
+# a 2-layer P-EAGLE head drafting chains of 4 (COD over 4 depths)
+PEAGLE = ("draft.type=peagle", "draft.vocab_size=256", "draft.num_layers=2", "loss.cod.num_depths=4")
+HEAD_ARGS = {"eagle1": (), "eagle3": EAGLE3, "peagle": PEAGLE}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle"])
 def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, head):
+    """P-EAGLE too: its COD samples come from the micro-batches' seeds, so the resumed run draws the same."""
     store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
     args = ("max_steps=8", "log_every=1", "eval_every=0", "save_every=4", "grad_accum=2")
-    args += EAGLE3 if head == "eagle3" else ()
+    args += HEAD_ARGS[head]
     run(make_cfg(store, tmp_path / "whole", *args))
     run(make_cfg(store, tmp_path / "parts", *args, "stop_at_step=4"))
     assert not (tmp_path / "parts" / "final").exists()
@@ -177,7 +181,7 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, he
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle"])
 def test_offline_training_never_builds_the_target_and_no_state_holds_frozen_tensors(
     request, tmp_path, monkeypatch, head
 ):
@@ -194,10 +198,15 @@ def test_offline_training_never_builds_the_target_and_no_state_holds_frozen_tens
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     out = tmp_path / "run"
     args = ("max_steps=2", "save_every=2", "eval_every=0", "loader_workers=0")
-    run(make_cfg(store, out, *args, *(EAGLE3 if head == "eagle3" else ())))
+    run(make_cfg(store, out, *args, *HEAD_ARGS[head]))
     state_dir = out / "checkpoints" / "step_0000002" / "training_state"
     assert list(state_dir.glob("model*.safetensors"))  # accelerate's copy of the model's state
-    own = ("fc.", "layers.") if head == "eagle1" else ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+    own = (
+        ("fc.", "layers.")
+        if head == "eagle1"
+        else ("fc.", "midlayer.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
+    )
+    own += ("mask_hidden", "mask_embedding") if head == "peagle" else ()  # one learned row, not the embedding
     for file in [*state_dir.glob("*.safetensors"), out / "final" / "model.safetensors"]:
         keys = set(load_file(str(file)))
         assert keys and all(k.startswith(own) for k in keys), (file, sorted(keys)[:4])
@@ -245,16 +254,21 @@ def test_epochs_run_over_each_epochs_own_plan(tiny_store, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle"])
 def test_online_gives_the_offline_first_step_loss(request, tiny_conversations, tmp_path, head):
     store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
     args = ("max_steps=1", "log_every=1", "eval_every=0", "save_every=0", "data.eval_fraction=0.1")
-    args += EAGLE3 if head == "eagle3" else ()
+    args += HEAD_ARGS[head]
     run(make_cfg(store, tmp_path / "offline", *args))
     run(make_cfg(None, tmp_path / "online", *args, "data.source=online", f"data.path={tiny_conversations}"))
     offline, online = read_metrics(tmp_path / "offline")[0], read_metrics(tmp_path / "online")[0]
     # Same data, same batches, same noise; features computed per batch vs stored: fp32 rounding only.
-    for key in ("loss", "ce") + (("smooth_l1",) if head == "eagle1" else ("ce_step2", "ce_step3")):
+    keys = {
+        "eagle1": ("smooth_l1",),
+        "eagle3": ("ce_step2", "ce_step3"),
+        "peagle": ("ce_depth2", "ce_depth4"),
+    }
+    for key in ("loss", "ce") + keys[head]:
         assert online[key] == pytest.approx(offline[key], rel=1e-5), key
     assert online["tokens_per_s"] > 0
 
@@ -327,6 +341,34 @@ def test_eagle3_loss_falls_and_its_serving_layout_is_written(tiny_store_aux, tmp
     assert config["eagle_train"]["type"] == "eagle3"
 
 
+@pytest.mark.slow
+def test_peagle_loss_falls_and_its_head_is_written_with_the_mask_token(tiny_store_aux, tmp_path):
+    out = tmp_path / "run"
+    args = ("max_steps=60", "optim.warmup_steps=5", "log_every=10", "eval_every=30", "eval_depth=4")
+    final = run(make_cfg(tiny_store_aux, out, *PEAGLE, *args))
+    lines = [m for m in read_metrics(out) if "loss" in m]
+    assert lines[-1]["loss"] < 0.8 * lines[0]["loss"]
+    depths = [f"ce_depth{d}" for d in range(1, 5)] + [f"train_cod_acc_depth{d}" for d in range(1, 5)]
+    assert set(depths) <= set(lines[0]) and lines[0]["cod_elements_depth2"] < lines[0]["cod_elements_depth1"]
+    # the chain simulated as vLLM drafts it, per position, beside the COD elements' own accuracy
+    assert {"eval/acc_step4", "eval/accept_len", "eval/cod_acc_depth4"} <= set(final)
+    assert final["eval/acc_step1"] > 0.15 and final["eval/accept_len"] > 1.1  # 60 steps: learning
+    weights = load_file(str(out / "final" / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 1, 192) and weights["mask_embedding"].shape == (64,)
+    assert "layers.1.self_attn.q_proj.weight" in weights and not any(k.startswith("embed") for k in weights)
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["eagle_train"]["type"] == "peagle" and config["num_hidden_layers"] == 2
+    assert config["mask_token_id"] == config["pard_token"] == 0  # <unk>: never in the data
+
+
+def test_peagle_refuses_a_mask_token_the_target_emits(tiny_store_aux, tmp_path):
+    with pytest.raises(
+        ValueError, match="draft.mask_token_id=1 cannot be the mask token: it is a BOS / EOS / stop"
+    ):
+        run(make_cfg(tiny_store_aux, tmp_path / "run", *PEAGLE, "draft.mask_token_id=1", "max_steps=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_eagle3_refuses_a_store_without_its_layers(tiny_store, tiny_store_aux, tmp_path):
     with pytest.raises(
         StoreMismatchError,
@@ -357,10 +399,10 @@ def copy_store(tiny_store: Path, to: Path) -> Path:
     return to
 
 
-def hidden_region(store: Path) -> tuple[int, int]:
-    """[begin, end) of shard 0's hidden states in its file."""
+def hidden_region(store: Path, name: str = "hidden") -> tuple[int, int]:
+    """[begin, end) of shard 0's hidden states (or `name`: "aux") in its file."""
     shard = ShardFile(store / shard_name(0))
-    begin, end = shard.header["hidden"]["data_offsets"]
+    begin, end = shard.header[name]["data_offsets"]
     return shard.data_start + begin, shard.data_start + end
 
 
@@ -376,11 +418,14 @@ def test_a_corrupt_shard_stops_training_before_any_step(tiny_store, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
 
 
-def test_a_non_finite_loss_stops_before_the_step_and_no_checkpoint_holds_it(tiny_store, tmp_path):
+@pytest.mark.parametrize("head", ["eagle1", "peagle"])
+def test_a_non_finite_loss_stops_before_the_step_and_no_checkpoint_holds_it(request, tmp_path, head):
     """16.3: features that are NaN with valid checksums (a bug upstream): the run stops at step 1 naming
-    the step and the batch, before the optimizer step, and writes no checkpoint or head."""
-    store = copy_store(tiny_store, tmp_path / "store")
-    begin, end = hidden_region(store)
+    the step and the batch, before the optimizer step, and writes no checkpoint or head (P-EAGLE: NaN in
+    the aux features its COD elements read)."""
+    store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
+    store = copy_store(store, tmp_path / "store")
+    begin, end = hidden_region(store, "hidden" if head == "eagle1" else "aux")
     data = bytearray((store / shard_name(0)).read_bytes())
     data[begin:end] = np.full((end - begin) // 4, np.nan, dtype=np.float32).tobytes()
     (store / shard_name(0)).write_bytes(bytes(data))
@@ -389,7 +434,7 @@ def test_a_non_finite_loss_stops_before_the_step_and_no_checkpoint_holds_it(tiny
         NonFiniteError,
         match=r"non-finite training loss .* at step 1 \(epoch 0, micro-batches 0\.\.0 .*samples: ",
     ):
-        run(make_cfg(store, tmp_path / "run", "max_steps=3", "save_every=1"))
+        run(make_cfg(store, tmp_path / "run", "max_steps=3", "save_every=1", *HEAD_ARGS[head]))
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
 
 

@@ -56,6 +56,8 @@ def read_losses(out: Path) -> list[dict]:
 
 
 EAGLE3 = ("draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3")
+PEAGLE = ("draft.type=peagle", "draft.vocab_size=256", "draft.num_layers=2", "loss.cod.num_depths=4")
+HEADS = {"eagle3": EAGLE3, "peagle": PEAGLE}
 
 
 def launch(
@@ -85,13 +87,23 @@ def single(tiny_store, tmp_path_factory) -> Path:
     return out
 
 
+def single_run(store: Path, out: Path, head: tuple[str, ...]) -> Path:
+    overrides = [*ARGS, *head, f"features={store}", f"out_dir={out}", "grad_accum=2"]
+    run(to_schema(compose("train", overrides=overrides), TrainConfig))
+    return out
+
+
 @pytest.fixture(scope="module")
 def single_eagle3(tiny_store_aux, tmp_path_factory) -> Path:
     """The same reference for an EAGLE-3 head (training-time test of 3 steps, 256-token draft vocabulary)."""
-    out = tmp_path_factory.mktemp("single_eagle3")
-    overrides = [*ARGS, *EAGLE3, f"features={tiny_store_aux}", f"out_dir={out}", "grad_accum=2"]
-    run(to_schema(compose("train", overrides=overrides), TrainConfig))
-    return out
+    return single_run(tiny_store_aux, tmp_path_factory.mktemp("single_eagle3"), EAGLE3)
+
+
+@pytest.fixture(scope="module")
+def single_peagle(tiny_store_aux, tmp_path_factory) -> Path:
+    """The same reference for a 2-layer P-EAGLE head (COD over 4 depths): each micro-batch's COD sample
+    comes from its own seed, so the process layout does not change it."""
+    return single_run(tiny_store_aux, tmp_path_factory.mktemp("single_peagle"), PEAGLE)
 
 
 def two_processes(config: str | None = None) -> list[str]:
@@ -116,15 +128,15 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tiny_stor
     assert any(not torch.equal(wa[k], at_step2[k]) for k in wa)  # it trained between the checkpoints
 
 
-@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle"])
 def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(request, tmp_path, head):
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
-    single = request.getfixturevalue("single" if head == "eagle1" else "single_eagle3")
+    single = request.getfixturevalue("single" if head == "eagle1" else f"single_{head}")
     ShareMemCommBuilder().load()  # JIT-build DeepSpeed's CPU comm op once, outside the 2 ranks (cached)
     config = str(REPO / "conf" / "accelerate" / "deepspeed_zero2.yaml")
-    ds = launch(two_processes(config), store, tmp_path / "ds", extra=EAGLE3 if head == "eagle3" else ())
+    ds = launch(two_processes(config), store, tmp_path / "ds", extra=HEADS.get(head, ()))
     # gradients really average over both ranks: ZeRO-2 follows the 1-process run step for step
     for a, b in zip(ds, read_losses(single), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -138,17 +150,22 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(request, tm
     assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) < 1e-5
 
 
-def test_two_process_ddp_equals_one_process_for_an_eagle3_head(tiny_store_aux, single_eagle3, tmp_path):
-    """The training-time test runs the DDP-wrapped head once per step and its LM head outside the wrapper:
-    the gradients still average over both ranks exactly as one process accumulates them."""
+@pytest.mark.parametrize("head", ["eagle3", "peagle"])
+def test_two_process_ddp_equals_one_process_for_an_eagle3_head(request, tiny_store_aux, tmp_path, head):
+    """The training-time test runs the DDP-wrapped head once per step and its LM head outside the wrapper
+    (P-EAGLE: its placeholders too): the gradients still average over both ranks exactly as one process
+    accumulates them."""
+    single = request.getfixturevalue(f"single_{head}")
     env = {"ACCELERATE_USE_CPU": "true"}
-    ddp = launch(two_processes(), tiny_store_aux, tmp_path / "ddp", env=env, extra=EAGLE3)
-    reference = read_losses(single_eagle3)
+    ddp = launch(two_processes(), tiny_store_aux, tmp_path / "ddp", env=env, extra=HEADS[head])
+    reference = read_losses(single)
     assert [m["step"] for m in ddp] == [1, 2, 3, 4]
+    deepest = "ce_step3" if head == "eagle3" else "ce_depth4"
     for a, b in zip(ddp, reference, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["ce_step3"] == pytest.approx(
-            b["ce_step3"], rel=1e-6
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a[deepest] == pytest.approx(
+            b[deepest], rel=1e-6
         )
-    wa, wb = weights(tmp_path / "ddp"), weights(single_eagle3)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+    wa, wb = weights(tmp_path / "ddp"), weights(single)
     assert torch.equal(wa["t2d"], wb["t2d"]) and torch.equal(wa["d2t"], wb["d2t"])
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa if wa[k].is_floating_point()) < 1e-6

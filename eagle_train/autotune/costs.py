@@ -11,6 +11,9 @@ from measurements, not from a model of the hardware:
                             top-k / sort per depth and the rerank), d = 1..max_depth, k = 1..max_k
     step_s[w - 1]           one draft step of width w + its top-k (static trees: chain, EAGLE-1)
     catch_up_s[m - 1]       the draft's catch-up over m accepted tokens (once per round), m = 1..max_depth + 2
+                            (P-EAGLE: over m inputs, m = 1..2 max_depth + 2: its catch-up carries the round's
+                            placeholders, so a round's draft forward is catch_up(accepted + placeholders),
+                            and its draft steps are row lookups, timed as they are)
 
 Each figure is the fastest of `repeats` timings taken round-robin over the grid (on a shared machine
 interference only ever adds time, so the fastest is the cost of the work itself; a burst of load hits
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from eagle_train.decoding.decoder import head_reads
+from eagle_train.decoding.decoder import head_reads, parallel_slots
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic
 from eagle_train.decoding.stats import GenerationStats
@@ -54,6 +57,7 @@ class CostCurves:
     step_s: list[float]
     catch_up_s: list[float]
     seconds: float = 0.0  # how long the measurement took
+    parallel: bool = False  # P-EAGLE: catch-ups carry the round's placeholders (`catch_up`)
 
     @property
     def max_nodes(self) -> int:
@@ -62,9 +66,11 @@ class CostCurves:
     def verify(self, nodes: int) -> float:
         return self.verify_s[min(nodes, self.max_nodes) - 1]
 
-    def catch_up(self, tokens: float) -> float:
-        """Catch-up seconds over `tokens` accepted tokens (interpolated: tau is fractional)."""
-        x = min(max(tokens, 1.0), float(len(self.catch_up_s)))
+    def catch_up(self, tokens: float, placeholders: int = 0) -> float:
+        """Catch-up seconds over `tokens` accepted tokens (interpolated: tau is fractional); P-EAGLE curves
+        add the round's `placeholders` (its tree depth - 1) to the inputs of that one forward."""
+        x = tokens + (placeholders if self.parallel else 0)
+        x = min(max(x, 1.0), float(len(self.catch_up_s)))
         lo = int(x)
         hi = min(lo + 1, len(self.catch_up_s))
         return self.catch_up_s[lo - 1] + (x - lo) * (self.catch_up_s[hi - 1] - self.catch_up_s[lo - 1])
@@ -103,8 +109,10 @@ def cost_key(
     length and the grid. The one home of that rule (the cache file name is a hash of it). A target whose
     decoder runs compiled (target.compile_decode) is another key (absent otherwise: older files stay valid)."""
     compiled = bool(getattr(getattr(target, "cfg", None), "compile_decode", False))
+    parallel = getattr(head, "kind", None) == "peagle"  # drafts in its catch-up: other curves
     return {
         **({"compile_decode": True} if compiled else {}),
+        **({"head_kind": "peagle"} if parallel else {}),
         "version": COSTS_VERSION,
         "target": _architecture(target.config),
         "head": _architecture(head.config),
@@ -188,10 +196,14 @@ def measure_costs(
             )
             logits[0].argmax(dim=-1).tolist()
 
-        drafter = Drafter(head, context, max(max_depth * max_k, max_nodes), GenerationStats())
+        parallel = parallel_slots(head, max_depth + 1)
+        drafter = Drafter(
+            head, context, max(max_depth * max_k, max_nodes), GenerationStats(), parallel=parallel
+        )
         follow = torch.cat([ids[1:], ids[:1]])  # the pairs (f_j, t_{j+1}) of the context
         root_logp = drafter.catch_up(follow, features[0])
-        committed = drafter.committed - max_depth - 2
+        catch_ups = max_depth + 2 + parallel  # P-EAGLE: accepted tokens + placeholders in one forward
+        committed = drafter.committed - catch_ups
         timer = _Timer(device)
         for _ in range(repeats + 1):  # the first pass warms up and is dropped
             for n in range(1, max_nodes + 1):
@@ -209,11 +221,13 @@ def measure_costs(
             for w in range(1, max_width + 1):
                 drafter.drop_tree()
                 timer.time(("step", w), lambda w=w: _static_step(drafter, w))
-            for m in range(1, max_depth + 3):
+            drafter.parallel = 0  # the catch-up curve: over its inputs alone
+            for m in range(1, catch_ups + 1):
                 drafter.rewind(committed)
                 timer.time(("catch_up", m), lambda m=m: drafter.catch_up(follow[-m:], features[0, -m:]))
+            drafter.parallel = parallel
             drafter.rewind(committed)
-            root_logp = drafter.catch_up(follow[-max_depth - 2 :], features[0, -max_depth - 2 :])
+            root_logp = drafter.catch_up(follow[-catch_ups:], features[0, -catch_ups:])
         for name in list(timer.samples):
             timer.samples[name] = timer.samples[name][1:]
     expand = [[timer.best(("expand", d, k)) for d in range(1, max_depth + 1)] for k in range(1, max_k + 1)]
@@ -222,8 +236,9 @@ def measure_costs(
         verify_s=monotone([timer.best(("verify", n)) for n in range(1, max_nodes + 1)]),
         expand_s=[list(row) for row in zip(*(monotone(by_depth) for by_depth in expand), strict=True)],
         step_s=monotone([timer.best(("step", w)) for w in range(1, max_width + 1)]),
-        catch_up_s=monotone([timer.best(("catch_up", m)) for m in range(1, max_depth + 3)]),
+        catch_up_s=monotone([timer.best(("catch_up", m)) for m in range(1, catch_ups + 1)]),
         seconds=time.perf_counter() - start,
+        parallel=bool(parallel),
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.decoding.decoder import SpeculativeDecoder, head_reads
+from eagle_train.decoding.decoder import SpeculativeDecoder, head_reads, parallel_slots
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import Candidates, dynamic_candidates, expand_static, plan_static
 from eagle_train.decoding.stats import GenerationStats
@@ -130,7 +130,7 @@ def calibrate(
     candidates: dict[int, list[int]] = {}
     static = shape_from_paths(static_paths) if static_paths else None
     inputs = max(max_depth * max_k, static.size if static else 0)
-    drafter = Drafter(head, capacity, inputs, GenerationStats(), lean)
+    drafter = Drafter(head, capacity, inputs, GenerationStats(), lean, parallel_slots(head, max_depth + 1))
     plan = plan_static(static, device) if static else None
     static_match: list[torch.Tensor] = []
     spans, start = [], 0

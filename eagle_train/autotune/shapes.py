@@ -82,9 +82,11 @@ class RoundModel:
     draft_fixed: float = 0.0  # seconds per round of the draft phase that no curve accounts for
     verify_fixed: float = 0.0
 
-    def predict(self, tau: float, draft: float, nodes: int) -> dict[str, Any]:
+    def predict(self, tau: float, draft: float, nodes: int, placeholders: int = 0) -> dict[str, Any]:
+        """`placeholders`: a P-EAGLE head's per round (its tree depth - 1), drafted in the catch-up."""
+        catch_up = self.costs.catch_up(tau, placeholders)
         parts = {
-            "draft": self.draft_fixed + self.draft_scale * (draft + self.costs.catch_up(tau)),
+            "draft": self.draft_fixed + self.draft_scale * (draft + catch_up),
             "verify": self.verify_fixed + self.verify_scale * self.costs.verify(nodes),
             "other": self.other_s,
         }
@@ -155,7 +157,9 @@ def measure_phases(
             probe["draft"] += stats.time_draft
             probe["verify"] += stats.time_verify
             probe["other"] += stats.time_total - stats.time_prefill - stats.time_draft - stats.time_verify
-            probe["draft_curve"] += sum(expand + costs.catch_up(a + 1) for a in stats.accepted_per_round)
+            probe["draft_curve"] += sum(
+                expand + costs.catch_up(a + 1, decoder.cfg.depth) for a in stats.accepted_per_round
+            )
             probe["verify_curve"] += sum(costs.verify(n) for n in stats.tree_size_per_round)
             probe["rounds"] += stats.rounds
     done = [p for p in sums if p["rounds"]]
@@ -188,7 +192,7 @@ def choose_shapes(calibration: Calibration, model: RoundModel | CostCurves) -> S
         tau = replay_tau(flat, calibration.spans).view(max_depth, max_nodes - 1)
         for d in range(1, min(max_depth, len(costs.expand_s)) + 1):
             for total in range(2, min(max_nodes, calibration.candidates[k][d - 1] + 1) + 1):
-                row = model.predict(float(tau[d - 1, total - 2]), costs.expand(d, k), total)
+                row = model.predict(float(tau[d - 1, total - 2]), costs.expand(d, k), total, d)
                 sweep.append({"depth": d, "top_k": k, "total_tokens": total, **row})
     sweep.sort(key=lambda r: -r["tokens_per_s"])
     chains = []
@@ -196,9 +200,8 @@ def choose_shapes(calibration: Calibration, model: RoundModel | CostCurves) -> S
     for length in range(1, max_depth + 2):  # a chain of c drafts = depth max(c - 1, 1), top_k 1, c + 1 nodes
         column = ones[:, max(length - 1, 1) - 1, length - 1 : length]
         tau = float(replay_tau(column, calibration.spans)[0])
-        chains.append(
-            {"chain_length": length, **model.predict(tau, costs.static_draft([1] * length), length + 1)}
-        )
+        draft = costs.static_draft([1] * length)
+        chains.append({"chain_length": length, **model.predict(tau, draft, length + 1, length - 1)})
     chain = max(chains, key=lambda r: r["tokens_per_s"])
     eagle1 = choose_static(calibration, model) if calibration.static is not None else None
     return ShapeChoice(sweep[0], chain, model.ar_tokens_per_s, sweep, eagle1)
@@ -218,7 +221,8 @@ def choose_static(calibration: Calibration, model: RoundModel) -> dict[str, Any]
     for n, tau in enumerate(taus, start=1):
         kept = order[:n].tolist()
         widths = [sum(1 for i in kept if shape.depths[i + 1] == d) for d in range(1, int(depth.max()) + 1)]
-        row = model.predict(tau, model.costs.static_draft([w for w in widths if w]), n + 1)
+        widths = [w for w in widths if w]
+        row = model.predict(tau, model.costs.static_draft(widths), n + 1, len(widths) - 1)
         if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
             best = {"tree_paths": [list(shape.paths[i + 1]) for i in sorted(kept)], "nodes": n + 1, **row}
     return best

@@ -4,22 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DRAFT_TYPES = ("eagle1", "eagle3")
+DRAFT_TYPES = ("eagle1", "eagle3", "peagle")
+EAGLE3_FAMILY = ("eagle3", "peagle")  # heads over three target features with their own LM head
 
 
 @dataclass
 class DraftConfig:
-    """The draft head: EAGLE-1/2 (fc over [embedding ; last hidden state], the target's LM head) or
-    EAGLE-3 (fc over three target layers, training-time test, its own LM head over a reduced vocabulary)."""
+    """The draft head: EAGLE-1/2 (fc over [embedding ; last hidden state], the target's LM head),
+    EAGLE-3 (fc over three target layers, training-time test, its own LM head over a reduced vocabulary)
+    or P-EAGLE (an EAGLE-3 head that drafts K tokens in one forward from learned placeholders)."""
 
-    type: str = "eagle1"  # eagle1 (EAGLE-1/2 head) | eagle3 (EAGLE-3 / EAGLE-3.1 head)
-    num_layers: int = 1  # decoder layers in the head (EAGLE uses 1; eagle3: exactly 1, the midlayer)
+    type: str = "eagle1"  # eagle1 (EAGLE-1/2 head) | eagle3 (EAGLE-3 / EAGLE-3.1 head) | peagle (P-EAGLE)
+    # decoder layers in the head (EAGLE uses 1); eagle3 / peagle: layer 0 is the fusion layer (the
+    # midlayer), layers 1..N-1 plain pre-norm Llama layers (published P-EAGLE heads: 4)
+    num_layers: int = 1
     # bias on fc; null = the type's default: eagle1 on (SGLang, the reference; vLLM's export folds it),
-    # eagle3 off (no engine's EAGLE-3 fc has one, so eagle3 refuses it)
+    # eagle3 / peagle off (no engine's EAGLE-3 fc has one, so they refuse it)
     fc_bias: bool | None = None
-    vocab_size: int | None = None  # eagle3: draft vocabulary size; null = min(32000, target vocabulary)
-    fc_norm: bool = False  # eagle3 (EAGLE-3.1): an RMSNorm on each of the three features before fc
+    vocab_size: int | None = None  # eagle3 / peagle: draft vocabulary size; null = min(32000, target vocab)
+    fc_norm: bool = False  # eagle3 / peagle (EAGLE-3.1): an RMSNorm on each of the three features before fc
     norm_output: bool = False  # eagle3 (EAGLE-3.1): feed the post-norm state to the next draft step
+    # peagle: the placeholder token of the K-1 draft slots after the real one (vLLM's `pard_token`); null =
+    # chosen when training starts: a token the target's tokenizer reserves or never uses (its mask token,
+    # an id past the tokenizer, unk, pad) that occurs nowhere in the training data (training/heads.py)
+    mask_token_id: int | None = None
     path: str | None = None  # a trained head (checkpoint or exported directory) to load
 
     def __post_init__(self) -> None:
@@ -27,16 +35,23 @@ class DraftConfig:
             raise ValueError(f"draft.type must be one of {DRAFT_TYPES}, got {self.type!r}")
         if self.num_layers < 1:
             raise ValueError(f"draft.num_layers must be >= 1, got {self.num_layers}")
-        if self.type == "eagle3":
-            if self.num_layers != 1:
-                raise ValueError(
-                    f"draft.type=eagle3 has one decoder layer (the midlayer), got {self.num_layers}"
-                )
+        if self.type in EAGLE3_FAMILY:
             if self.fc_bias:
-                raise ValueError("draft.type=eagle3: fc has no bias (vLLM and SGLang build it without one)")
+                raise ValueError(
+                    f"draft.type={self.type}: fc has no bias (vLLM and SGLang build it without one)"
+                )
         elif self.fc_norm or self.norm_output or self.vocab_size is not None:
             raise ValueError(
-                "draft.fc_norm, draft.norm_output and draft.vocab_size are EAGLE-3 settings (draft.type=eagle3)"
+                "draft.fc_norm, draft.norm_output and draft.vocab_size are EAGLE-3 settings "
+                "(draft.type=eagle3 or peagle)"
+            )
+        if self.type == "peagle" and self.norm_output:
+            raise ValueError(
+                "draft.type=peagle drafts in one forward: it never feeds a state back (norm_output)"
+            )
+        if self.mask_token_id is not None and (self.type != "peagle" or self.mask_token_id < 0):
+            raise ValueError(
+                f"draft.mask_token_id is a P-EAGLE setting (draft.type=peagle), >= 0; got {self.mask_token_id}"
             )
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"draft.vocab_size must be >= 1 or null, got {self.vocab_size}")

@@ -33,8 +33,9 @@ class ExportConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16 for the written tensors; null = the checkpoint's
     target_id: str | None = None  # target id written into config.json; null = the one the checkpoint records
     max_len: int | None = None  # training maximum length written into config.json; null = the recorded one
-    # Where format=eagle reads the target's input embedding (the reference loads it from the head's file);
-    # null = the target source the checkpoint records.
+    # Where format=eagle (the reference loads it from the head's file) and a P-EAGLE head (it ships the
+    # target's embedding with its learned mask row) read the target's input embedding; null = the target
+    # source the checkpoint records.
     target_path: str | None = None
     # Re-express the head exactly with this larger head_dim (eagle_train.interop.reexpress), for a target
     # re-expressed the same way (vLLM's CPU attention needs 32+); null = keep the head's own.

@@ -78,10 +78,32 @@ class OptimConfig:
             raise ValueError(f"optim: need lr > 0, warmup_steps >= 0, two betas; got {self}")
 
 
+DIVERGENCES = ("ce", "kl")
+
+
+@dataclass
+class CodConfig:
+    """P-EAGLE's COD sampling (eagle_train.training.cod): which (anchor, depth) elements a sequence trains."""
+
+    num_depths: int = 8  # K: the longest chain trained (speculators' and NeMo's default 8)
+    # depth d keeps int((N - d) * max(r^d, r_min)) elements, N the loss-masked positions (r 0.8 / r_min 0.2:
+    # SpecForge's and NeMo's defaults; speculators' r is 0.7)
+    r: float = 0.8
+    r_min: float = 0.2
+    max_anchors: int | None = None  # at most this many loss-masked positions start chains (null: all)
+
+    def __post_init__(self) -> None:
+        if self.num_depths < 1 or not 0.0 < self.r <= 1.0 or not 0.0 <= self.r_min <= 1.0:
+            raise ValueError(f"loss.cod: need num_depths >= 1, r in (0, 1], r_min in [0, 1]; got {self}")
+        if self.max_anchors is not None and self.max_anchors < 1:
+            raise ValueError(f"loss.cod.max_anchors must be >= 1 or null, got {self.max_anchors}")
+
+
 @dataclass
 class LossConfig:
     """EAGLE-1: feature_weight * SmoothL1(features) + token_weight * CE(tokens), noise on the input
-    features. EAGLE-3: sum over ttt_steps unrolled steps of ttt_decay^k * CE_k, no regression."""
+    features. EAGLE-3: sum over ttt_steps unrolled steps of ttt_decay^k * CE_k, no regression. P-EAGLE:
+    the CE (or KL) of every COD element (`cod`) of one forward, averaged with no depth decay."""
 
     feature_weight: float = 1.0  # weight of the feature regression (SmoothL1); the reference's w_v
     token_weight: float = 0.1  # weight of the token cross entropy; the reference's w_p
@@ -93,6 +115,10 @@ class LossConfig:
     noise_scale: float = 0.1  # noise amplitude
     ttt_steps: int = 7  # eagle3: training-time test, steps unrolled over the head's own outputs
     ttt_decay: float = 0.8  # eagle3: weight of step k (0-based) is ttt_decay ** k
+    cod: CodConfig = field(default_factory=CodConfig)  # peagle: the elements trained (COD sampling)
+    # peagle: ce (soft CE: SpecForge) | kl (KL(target || draft): speculators, NeMo; the same gradient, the
+    # value lower by the target's entropy)
+    divergence: str = "ce"
     w_v: float | None = None  # deprecated alias of feature_weight
     w_p: float | None = None  # deprecated alias of token_weight
 
@@ -100,6 +126,8 @@ class LossConfig:
         take_renamed(self, {"w_v": "feature_weight", "w_p": "token_weight"}, "loss.", float)
         if self.noise is not None and self.noise not in NOISE_MODES:
             raise ValueError(f"loss.noise must be one of {NOISE_MODES}, got {self.noise!r}")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"loss.divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
             raise ValueError(f"loss.ttt_steps must be >= 1 and loss.ttt_decay in (0, 1], got {self}")
 
@@ -190,4 +218,4 @@ class TrainConfig:
                 f"eval_every and save_every must be >= 0 (0 = only at the end), got {self.eval_every}, {self.save_every}"
             )
         if self.loss.noise is None:
-            self.loss.noise = "none" if self.draft.type == "eagle3" else "uniform"
+            self.loss.noise = "uniform" if self.draft.type == "eagle1" else "none"

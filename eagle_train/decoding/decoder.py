@@ -17,7 +17,9 @@ or `Eagle3Head`: it reads the target's aux features, which `decode` returns for 
 drafts over a reduced vocabulary, its ids mapped to target ids through `vocab_map`; None for `ar`).
 Methods: `ar` plain decoding in this harness (same cache code, one target forward per
 token), `chain`, `eagle1` (the static tree `cfg.tree_paths`), `eagle2` (dynamic tree). The method is
-chosen once, at construction. temperature 0 = greedy: the output equals `ar` token for token (in float32;
+chosen once, at construction. A P-EAGLE head (`PEagleHead`) drafts every method's tree in ONE draft forward
+per round (the catch-up with its placeholders, `decoding.drafter`): `chain` is the chain vLLM drafts with
+`parallel_drafting`, `eagle1` / `eagle2` trees built from the same forward's per-depth distributions. temperature 0 = greedy: the output equals `ar` token for token (in float32;
 below it, up to near-ties: `decoding.identity`);
 temperature > 0: lossless rejection sampling (`decoding.verify`), the output is distributed as the
 target's. Hugging Face `generate`, the second baseline, lives outside this pure decoder
@@ -164,6 +166,8 @@ class SpeculativeDecoder:
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
             self._expand = self._expand_dynamic
             self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
+        depth = self.shape.max_depth if cfg.method in ("chain", "eagle1") else cfg.depth + 1
+        self.parallel = parallel_slots(head, depth if cfg.speculative else 0)  # P-EAGLE's per draft forward
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
 
     @property
@@ -336,11 +340,23 @@ class SpeculativeDecoder:
         the lean forward fuses the head's weights once, so later changes to the head are not seen)."""
         if self._drafter is None:
             self._drafter = Drafter(
-                self.head, self.capacity, self.tree_inputs, self.stats, self.cfg.lean_draft, self.timer
+                self.head,
+                self.capacity,
+                self.tree_inputs,
+                self.stats,
+                self.cfg.lean_draft,
+                self.timer,
+                self.parallel,
             )
         else:
             self._drafter.reset(self.capacity, self.stats, self.timer)
         return self._drafter
+
+
+def parallel_slots(head: DraftModel | None, tree_depth: int) -> int:
+    """A P-EAGLE head's placeholders per draft forward for trees up to `tree_depth` deep (a chain of K:
+    K; eagle2: depth + 1): one per depth after the first; 0 for other heads. The one home of that rule."""
+    return max(tree_depth - 1, 0) if getattr(head, "kind", None) == "peagle" else 0
 
 
 def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:

@@ -8,6 +8,14 @@ whose features the verification forward already produced (no extra target forwar
 the root's draft state. Tree inputs then go after the committed slots (`__call__`, the `DraftStep` of
 `decoding.expand`) and are dropped at the next catch-up. A decoder keeps one `Drafter` for all its generations
 (`reset`): buffers grow when needed, the fused weights of the lean forward are built once.
+
+A P-EAGLE head (`parallel` > 0) drafts in the catch-up itself, as vLLM does: the same forward carries
+`parallel` placeholders (its mask token and mask_hidden) after the real pairs, causal, at the next
+positions; the placeholder at slot k gives the draft distribution of the tokens at depth k + 1 below the
+root, whatever their parents (it never sees the drafted tokens). The draft step then runs no forward: it
+hands each input at depth k that row, so the chain, the static trees and the dynamic trees of
+`decoding.expand` are all drafted from that one forward (the placeholders' cache entries are written over
+at the next catch-up).
 """
 
 from __future__ import annotations
@@ -32,10 +40,13 @@ class Drafter:
         stats: GenerationStats,
         lean: bool = True,
         timer: PhaseTimer | None = None,
+        parallel: int = 0,
     ):
         config = head.config
         param = next(head.parameters())
-        self.head, self.max_tree_inputs = head, max_tree_inputs
+        # P-EAGLE: placeholders per catch-up (the deepest tree depth - 1); the cache keeps room for them
+        self.parallel = parallel
+        self.head, self.max_tree_inputs = head, max(max_tree_inputs, parallel)
         self.device, self.dtype = param.device, param.dtype
         shape = attention_shape(config)
         self.head_dim, self.kv_heads = shape.head_dim, shape.kv_heads
@@ -44,6 +55,11 @@ class Drafter:
             max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device
         )
         self.root = self.hidden[:1]
+        self.parallel_logp: torch.Tensor | None = None  # P-EAGLE: [parallel, vocab], row k-1 for depth k + 1
+        if parallel:
+            mask_hidden = head.mask_hidden.detach().reshape(1, -1).to(self.dtype)  # [1, 3 d_t]
+            self.placeholder_features = mask_hidden.expand(parallel, -1)
+            self.placeholder_tokens = torch.full((parallel,), head.mask_token_id, device=self.device)
         # The head's forward as fused tensor ops (same numbers, a fraction of the per-call overhead).
         self.lean = lean_draft.lean_forward(head) if lean else None
         self.capacity = -1
@@ -73,32 +89,39 @@ class Drafter:
         if self.lean is not None:
             self.lean.extend_positions(total + 1)
 
-    def _forward(self, tokens, features, positions: slice, mask, last_only: bool = False):
+    def _forward(self, tokens, features, positions: slice, mask, last: int | None = None):
         """positions: a slice of positions, one per input or one for all inputs. Returns the predicted
-        features [m, hidden] and the draft log-probs [m, vocab] (of the last input only: [1, vocab])."""
+        features [m, hidden] and the draft log-probs [m, vocab] (of the `last` inputs only: [last, vocab])."""
         start = self.timer.start()
         if self.lean is not None:
             hidden = self.lean.forward(tokens, features, positions, mask, self.cache)
-            logp = self.lean.log_probs(hidden[-1:] if last_only else hidden)
+            logp = self.lean.log_probs(hidden[-last:] if last else hidden)
         else:
             pos = self.positions[positions].expand(tokens.shape[0]).unsqueeze(0)
             hidden = self.head(tokens.unsqueeze(0), features.unsqueeze(0), pos, mask, self.cache)[0]
-            logp = torch.log_softmax(self.head.logits(hidden[-1:] if last_only else hidden).float(), dim=-1)
+            logp = torch.log_softmax(self.head.logits(hidden[-last:] if last else hidden).float(), dim=-1)
         self.timer.stop("time_draft_forward", start)
         return hidden, logp
 
     def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Commit pairs (features[i], tokens[i]) at the next positions; tokens [m], features [m, hidden]
-        (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1])."""
+        (the target's). Returns the draft log-probs [vocab] of the root's children (root = tokens[-1]).
+        P-EAGLE: the placeholders ride along (module docstring); their rows are kept for the draft steps."""
         self.drop_tree()
-        m = tokens.shape[0]
-        positions = slice(self.committed, self.committed + m)
+        m, extra = tokens.shape[0], self.parallel
+        if extra:
+            tokens = torch.cat([tokens, self.placeholder_tokens[:extra]])
+            features = torch.cat([features.to(self.dtype), self.placeholder_features[:extra]])
+        positions = slice(self.committed, self.committed + m + extra)
         hidden, logp = self._forward(
-            tokens, features.to(self.dtype), positions, None, last_only=True
+            tokens, features.to(self.dtype), positions, None, last=extra + 1
         )  # None = causal
         self.cache.advance(m)
         self.committed += m
-        self.root = hidden[-1:]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
+        self.root = hidden[
+            m - 1 : m
+        ]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
+        self.parallel_logp = logp[1:] if extra else None
         return logp[0]
 
     def rewind(self, committed: int) -> None:
@@ -119,7 +142,12 @@ class Drafter:
     def __call__(
         self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int
     ) -> torch.Tensor:
-        """The tree draft step (see `decoding.expand`): inputs at `depth` below the root."""
+        """The tree draft step (see `decoding.expand`): inputs at `depth` below the root. P-EAGLE: the
+        catch-up's placeholder row for depth + 1, one per input (no forward)."""
+        if self.parallel_logp is not None:
+            if depth > self.parallel_logp.shape[0]:
+                raise ValueError(f"a tree {depth + 1} deep from {self.parallel} P-EAGLE placeholders")
+            return self.parallel_logp[depth - 1].expand(tokens.shape[0], -1)
         m, base = tokens.shape[0], self.committed
         # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)
         features = self.root.expand(m, -1) if depth == 1 else self.hidden[parents]

@@ -1,4 +1,4 @@
-"""A lean decode-time forward of the EAGLE draft heads (pure torch): EAGLE-1/2 and EAGLE-3.
+"""A lean decode-time forward of the EAGLE draft heads (pure torch): EAGLE-1/2, EAGLE-3 and P-EAGLE.
 
 The head's `forward` (eagle_train.modeling.draft) goes through nn.Module calls, a RoPE module and
 per-call mask building; at decode time on a CPU that per-call overhead is most of a draft step. This is
@@ -7,7 +7,8 @@ is then one multiply-add against a table precomputed for every position), keys a
 to the cache in one copy, gate/up is one projection, the residual adds ride in the output projections'
 addmm, and there are no module calls. Used by `decoding.drafter.Drafter` when the head is a
 Llama-style head with SiLU MLPs (`lean_forward` picks `LeanDraft` for the EAGLE-1/2 head, `LeanEagle3`
-for the EAGLE-3 one); `tests/decoding/test_lean_draft.py` checks both against the heads' `forward`.
+for the EAGLE-3 and P-EAGLE ones, any number of layers); `tests/decoding/test_lean_draft.py` checks them
+against the heads' `forward`.
 """
 
 from __future__ import annotations
@@ -90,11 +91,8 @@ def lean_forward(head, max_positions: int = 0):
     """The lean forward of `head` (`LeanDraft` or `LeanEagle3`), or None when `supports` says no."""
     if not supports(head):
         return None
-    return (
-        LeanEagle3(head, max_positions)
-        if getattr(head, "kind", "eagle1") == "eagle3"
-        else LeanDraft(head, max_positions)
-    )
+    eagle3 = getattr(head, "kind", "eagle1") in ("eagle3", "peagle")
+    return LeanEagle3(head, max_positions) if eagle3 else LeanDraft(head, max_positions)
 
 
 class LeanDraft:
@@ -176,14 +174,23 @@ class LeanDraft:
         )
         cos, sin = self.cos[positions], self.sin[positions]  # [m or 1, (heads + 2 * kv_heads) * hd]
         for i, w in enumerate(self.layers):
-            h = x if w.input_norm is None else self._norm(x, w.input_norm)
-            # residual adds fused into the output projections: x + a @ W.T as one addmm
-            x = torch.addmm(x, self._attention(i, w, h, cos, sin, mask, cache), w.o_t)
-            if w.o_bias is not None:
-                x = x + w.o_bias
-            gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, w.down_t)
+            x = self._layer(i, w, x, cos, sin, mask, cache)
         return x
+
+    def _layer(self, i: int, w: _LayerWeights, x, cos, sin, mask, cache) -> torch.Tensor:
+        """A plain (pre-norm; layer 0 of EAGLE-1: no input norm) Llama layer: [m, d] -> [m, d]."""
+        h = x if w.input_norm is None else self._norm(x, w.input_norm)
+        return self._residual_mlp(w, self._residual_attention(i, w, x, h, cos, sin, mask, cache))
+
+    def _residual_attention(self, i, w: _LayerWeights, residual, h, cos, sin, mask, cache) -> torch.Tensor:
+        """residual + o_proj(attention(h)), the add fused into the output projection's addmm."""
+        x = torch.addmm(residual, self._attention(i, w, h, cos, sin, mask, cache), w.o_t)
+        return x if w.o_bias is None else x + w.o_bias
+
+    def _residual_mlp(self, w: _LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """x + mlp(post_attention_layernorm(x))."""
+        gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
+        return torch.addmm(x, F.silu(gate) * up, w.down_t)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [..., vocab] through the target's LM head and output processing."""
@@ -194,9 +201,10 @@ class LeanDraft:
 
 
 class LeanEagle3(LeanDraft):
-    """`forward(tokens, features, positions, mask, cache) -> state`, equal to `Eagle3Head.forward`:
-    fc (after fc_norm) only on features wider than d, [norm(embedding) ; norm(h)] into the midlayer's
-    fused projection, the residual from h; `log_probs` over the draft vocabulary."""
+    """`forward(tokens, features, positions, mask, cache) -> state`, equal to `Eagle3Head.forward` (and
+    `PEagleHead.forward`: the learned row at its mask token): fc (after fc_norm) only on features wider
+    than d, [norm(embedding) ; norm(h)] into the midlayer's fused projection, the residual from h, then
+    layers 1..N-1 as plain pre-norm layers; `log_probs` over the draft vocabulary."""
 
     @torch.no_grad()
     def __init__(self, head, max_positions: int):
@@ -206,9 +214,19 @@ class LeanEagle3(LeanDraft):
         self.fc_norms = None if head.fc_norm is None else [n.weight for n in head.fc_norm]
         self.embed_norm, self.hidden_norm = layer.input_layernorm.weight, layer.hidden_norm.weight
         self.final_norm, self.norm_output = head.norm.weight, head.norm_output
+        mask = getattr(head, "mask_token_id", None)  # P-EAGLE: the learned embedding row of the mask token
+        self.mask_token = None if mask is None else torch.tensor(mask, device=self.embed.device)
+        self.mask_row = None if mask is None else head.mask_embedding.detach().to(self.embed.dtype)
 
     def _layers(self, head) -> list[_LayerWeights]:
-        return [_layer_weights(head.midlayer, self.head_dim, input_norm=False)]
+        plain = [_layer_weights(layer, self.head_dim) for layer in head.layers.values()]
+        return [_layer_weights(head.midlayer, self.head_dim, input_norm=False), *plain]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        embeds = F.embedding(tokens, self.embed)
+        if self.mask_token is None:
+            return embeds
+        return torch.where((tokens == self.mask_token).unsqueeze(-1), self.mask_row, embeds)
 
     def forward(self, tokens, features, positions, mask, cache) -> torch.Tensor:
         """The draft state [m, d] (see `LeanDraft.forward`)."""
@@ -219,14 +237,12 @@ class LeanEagle3(LeanDraft):
                 h = torch.cat([self._norm(c, w) for c, w in zip(chunks, self.fc_norms, strict=True)], dim=-1)
             h = F.linear(h, self.fc)
         w = self.layers[0]
-        embeds = F.embedding(tokens, self.embed).to(h.dtype)
+        embeds = self._embed(tokens).to(h.dtype)
         x = torch.cat([self._norm(embeds, self.embed_norm), self._norm(h, self.hidden_norm)], dim=-1)
         cos, sin = self.cos[positions], self.sin[positions]
-        h = torch.addmm(h, self._attention(0, w, x, cos, sin, mask, cache), w.o_t)
-        if w.o_bias is not None:
-            h = h + w.o_bias
-        gate, up = F.linear(self._norm(h, w.post_norm), w.gate_up).chunk(2, dim=-1)
-        h = torch.addmm(h, F.silu(gate) * up, w.down_t)
+        h = self._residual_mlp(w, self._residual_attention(0, w, h, x, cos, sin, mask, cache))
+        for i, w in enumerate(self.layers[1:], start=1):
+            h = self._layer(i, w, h, cos, sin, mask, cache)
         return self._norm(h, self.final_norm) if self.norm_output else h
 
     def log_probs(self, state: torch.Tensor) -> torch.Tensor:

@@ -92,17 +92,19 @@ def engine_python(path: str | None = None) -> Path:
 
 def speculative_config(head_dir: str | Path, num_tokens: int) -> dict[str, Any]:
     """vLLM's `speculative_config` for the head in `head_dir` drafting a chain of `num_tokens`: method
-    `eagle3` for an EAGLE-3 head (its config.json names an Eagle3 architecture or the speculators type),
-    else `eagle`."""
+    `eagle3` for an EAGLE-3 head (its config.json names an Eagle3 architecture or a speculators type),
+    with `parallel_drafting` for a P-EAGLE head (speculators type peagle, or vLLM's `pard_token`: all
+    `num_tokens` drafts from one forward), else `eagle`."""
     config_file = Path(head_dir) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    eagle3 = config.get("speculators_model_type") == "eagle3" or any(
-        "Eagle3" in a for a in config.get("architectures") or []
-    )
+    kind = config.get("speculators_model_type")
+    peagle = kind == "peagle" or "pard_token" in config
+    eagle3 = peagle or kind == "eagle3" or any("Eagle3" in a for a in config.get("architectures") or [])
     return {
         "method": "eagle3" if eagle3 else "eagle",
         "model": str(Path(head_dir).resolve()),
         "num_speculative_tokens": int(num_tokens),
+        **({"parallel_drafting": True} if peagle else {}),
     }
 
 

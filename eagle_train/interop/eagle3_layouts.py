@@ -17,7 +17,15 @@ What each consumer loads (read from their loaders; the EAGLE notes' "EAGLE-3" se
   `speculators_model_type: eagle3`, the Llama shape in `transformer_layer_config`, `norm_before_residual:
   false` (its default is true: the residual after hidden_norm, another head), the verifier (target) and
   K; the speculators library's own key names `layers.0.*`.
-The importer reads all of these plus SpecForge's and the reference's published heads.
+- multi-layer heads (layers 1..N-1 after the midlayer): vLLM loads `layers.i.*` as plain pre-norm Llama
+  layers; SGLang's `additional_layers` drop the first layer's residual (another function) and the
+  reference has one layer: format=sglang and format=eagle refuse them.
+- P-EAGLE heads (vLLM `parallel_drafting: true`): `mask_hidden` [1, 1, 3 d_t], the whole embedding with
+  the learned mask row in place (`embed_tokens.weight`: without it vLLM uses the target's row), the mask
+  token as `mask_token_id` and `pard_token` (vLLM reads either), `speculators_model_type: peagle` in the
+  speculators format (vLLM maps it to eagle3 + parallel drafting, `mask_token_id` -> `pard_token`).
+The importer reads all of these plus SpecForge's (`PEagleDraftModel`: `layers.0.*` ... , no mask token in
+its config.json: the caller must name it) and NeMo AutoModel's (`model.` prefixes) published heads.
 """
 
 from __future__ import annotations
@@ -43,10 +51,18 @@ from eagle_train.modeling.eagle3 import (
     recorded_aux_layers,
 )
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from eagle_train.modeling.peagle import (
+    PEAGLE_FIELDS,
+    is_peagle_config,
+    peagle_config_fields,
+    peagle_from_config,
+    recorded_mask_token,
+)
 
 log = logging.getLogger(__name__)
 
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # the speculators library's class; vLLM maps the type itself
+# the speculators library's classes; vLLM maps the type itself
+SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 
 
 def serving_state(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -56,11 +72,21 @@ def serving_state(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tenso
     if head.draft_vocab_size == head.config.vocab_size:
         state.pop("d2t")
         state.pop("t2d")
+    if head.kind == "peagle":  # the learned row goes out inside the whole embedding
+        state.pop("mask_embedding")
+        state["embed_tokens.weight"] = head.serving_embedding().to("cpu")
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sorted(state.items())}
 
 
 def check_exportable(head: Eagle3Head, fmt: str) -> None:
     """Refuse what a layout's loader cannot hold rather than write a head that loads wrong."""
+    if fmt in ("sglang", "eagle") and (head.kind == "peagle" or head.config.num_hidden_layers > 1):
+        what = "a P-EAGLE head" if head.kind == "peagle" else f"{head.config.num_hidden_layers} layers"
+        raise ValueError(
+            f"format={fmt}: {what}: {'SGLang' if fmt == 'sglang' else 'the EAGLE reference'} cannot run it "
+            "as trained (SGLang's extra EAGLE-3 layers drop the first layer's residual; no parallel "
+            "drafting); export with format=vllm or format=speculators"
+        )
     if fmt in ("sglang", "eagle") and (head.fc_norm_enabled or head.norm_output):
         raise ValueError(
             f"format={fmt}: {'SGLang' if fmt == 'sglang' else 'the EAGLE reference'} has no fc_norm / "
@@ -75,17 +101,25 @@ def check_exportable(head: Eagle3Head, fmt: str) -> None:
 
 def export_config(head: Eagle3Head, fmt: str, llama: dict[str, Any], info: dict[str, Any], k: int) -> dict:
     """config.json of an EAGLE-3 export (`llama`: the portable Llama fields, as for EAGLE-1 heads)."""
-    fields = eagle3_config_fields(head)
+    fields = peagle_config_fields(head) if head.kind == "peagle" else eagle3_config_fields(head)
     if fmt == "eagle":
         for key in ("target_hidden_size", "fc_norm", "norm_output"):  # see the module docstring
             fields.pop(key)
     if fmt != "speculators":
         return {**llama, **fields, "eagle_train": info}
-    layer = {**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1}
+    layers = int(head.config.num_hidden_layers)
+    layer = {
+        **llama,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": layers,
+    }
     ids = fields["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    mask = {"mask_token_id": head.mask_token_id} if head.kind == "peagle" else {}
     return {
-        "architectures": [SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": "eagle3",
+        "architectures": [SPECULATORS_ARCHITECTURES[head.kind]],
+        "speculators_model_type": head.kind,
+        **mask,
         "transformer_layer_config": layer,
         "draft_vocab_size": head.draft_vocab_size,
         "target_hidden_size": head.target_hidden_size,
@@ -97,7 +131,7 @@ def export_config(head: Eagle3Head, fmt: str, llama: dict[str, Any], info: dict[
         "tie_word_embeddings": False,
         "torch_dtype": llama["torch_dtype"],
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": head.kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
@@ -134,11 +168,11 @@ def eagle3_writer(
     if fmt == "eagle":
         if embed_tokens is None:
             raise ValueError("format=eagle: the reference needs the target's embedding in the file; pass it")
-    if embed_tokens is not None:
+    if embed_tokens is not None and head.kind != "peagle":  # P-EAGLE: its own (the learned row in place)
         if tuple(embed_tokens.shape) != (head.config.vocab_size, head.config.hidden_size):
             raise ValueError(f"embedding shape {tuple(embed_tokens.shape)} does not match the head's config")
         state["embed_tokens.weight"] = embed_tokens.detach().to("cpu", dtype).contiguous()
-    config = export_config(head, fmt, llama, {**info, "type": "eagle3"}, speculative_tokens)
+    config = export_config(head, fmt, llama, {**info, "type": head.kind}, speculative_tokens)
 
     def write(tmp: Path) -> None:
         if fmt == "eagle":
@@ -154,12 +188,14 @@ def eagle3_writer(
 
 
 def is_eagle3(raw_config: dict[str, Any], raw_state: dict[str, torch.Tensor]) -> bool:
-    """An EAGLE-3 head: its config says so, or its tensors are EAGLE-3's (midlayer, d2t, t2d)."""
+    """An EAGLE-3 (or P-EAGLE) head: its config says so, or its tensors are EAGLE-3's (midlayer, d2t,
+    t2d, P-EAGLE's mask_hidden)."""
     archs = raw_config.get("architectures") or []
     if raw_config.get("speculators_model_type") == "eagle3" or any("Eagle3" in a for a in archs):
         return True
     keys = [k.removeprefix("model.") for k in raw_state]
-    return any(k.startswith("midlayer.") or k in ("d2t", "t2d") for k in keys)
+    named = any(k.startswith("midlayer.") or k in ("d2t", "t2d", "mask_hidden") for k in keys)
+    return named or is_peagle_config(raw_config)
 
 
 def flat_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -167,21 +203,22 @@ def flat_config(raw: dict[str, Any]) -> dict[str, Any]:
     fields on top; other layouts are flat already."""
     if "transformer_layer_config" not in raw:
         return raw
-    return {**raw["transformer_layer_config"], **{k: raw[k] for k in EAGLE3_FIELDS if k in raw}}
+    fields = (*EAGLE3_FIELDS, *PEAGLE_FIELDS)
+    return {**raw["transformer_layer_config"], **{k: raw[k] for k in fields if k in raw}}
 
 
 def eagle3_state(raw: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
-    """The head's tensors under this project's keys: `model.` stripped, speculators' `layers.0.` ->
-    `midlayer.`; the embedding kept apart (see `load_eagle3`)."""
+    """The head's tensors under this project's keys: `model.` stripped, speculators' and SpecForge's
+    `layers.0.` -> `midlayer.` (layers 1..N-1 keep their names); the embedding kept apart (see
+    `load_eagle3`)."""
     state = {}
+    own = ("fc.", "fc_norm.", "midlayer.", "layers.", "norm.", "lm_head.", "embed_tokens.", "d2t", "t2d")
     for key, value in raw.items():
         key = key.removeprefix("model.")
         key = "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
         if key.endswith("rotary_emb.inv_freq"):
             continue
-        if not key.startswith(
-            ("fc.", "fc_norm.", "midlayer.", "norm.", "lm_head.", "embed_tokens.", "d2t", "t2d")
-        ):
+        if not key.startswith(own) and key not in ("mask_hidden", "mask_embedding"):
             raise ValueError(f"{file}: unexpected tensor {key!r} for an EAGLE-3 head")
         state[key] = value
     for key in ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"):
@@ -205,20 +242,38 @@ def check_matches(head: Eagle3Head, state: dict[str, torch.Tensor], target, file
 
 
 def load_eagle3(
-    raw_config: dict[str, Any], raw_state: dict[str, torch.Tensor], file: Path, target, llama: LlamaConfig
+    raw_config: dict[str, Any],
+    raw_state: dict[str, torch.Tensor],
+    file: Path,
+    target,
+    llama: LlamaConfig,
+    mask_token_id: int | None = None,
 ) -> Eagle3Head:
-    """An EAGLE-3 head for `target` from any layout (this project's, vLLM / SGLang / reference exports,
-    SpecForge's, speculators'). The aux layer ids are the recorded ones, else the reference's default for
-    the target's depth (what vLLM and SGLang assume); d2t / t2d absent = the whole vocabulary."""
+    """An EAGLE-3 (or P-EAGLE) head for `target` from any layout (this project's, vLLM / SGLang /
+    reference exports, SpecForge's, speculators', NeMo's). The aux layer ids are the recorded ones, else
+    the reference's default for the target's depth (what vLLM and SGLang assume); d2t / t2d absent = the
+    whole vocabulary; the layer count is the weights'. A P-EAGLE head's mask token is `mask_token_id`
+    (the caller's) or the one its config.json records (`load_mask_token`)."""
     raw = flat_config(raw_config)
     state = eagle3_state(raw_state, file)
     recorded = recorded_aux_layers(raw)
     aux = resolve_aux_layers(recorded or reference_aux_layers(target.num_layers), target.num_layers)
     if recorded is None:
         log.warning("%s names no aux layers: using the reference's %s for this target", file, aux)
-    head = eagle3_from_config(llama, raw, aux)
+    llama.num_hidden_layers = 1 + max(
+        (int(k.split(".")[1]) for k in state if k.startswith("layers.")), default=0
+    )
+    if "mask_hidden" in state or is_peagle_config(raw):
+        mask = load_mask_token(raw, file, mask_token_id)
+        head = peagle_from_config(llama, raw, aux, mask)
+    else:
+        head = eagle3_from_config(llama, raw, aux)
     check_matches(head, state, target, file)
     embed = state.pop("embed_tokens.weight", None)
+    if head.kind == "peagle" and "mask_embedding" not in state:  # an engine layout: the row in the embedding
+        state["mask_embedding"] = (embed if embed is not None else target.embed_tokens.weight)[
+            head.mask_token_id
+        ]
     if "d2t" in state and "t2d" not in state:
         state["t2d"] = t2d_from_d2t(state["d2t"], target.vocab_size)
     if "d2t" not in state:
@@ -239,3 +294,19 @@ def load_eagle3(
     else:  # shipped with the head: what vLLM and the reference use too (its own, never the target's)
         head.hold_frozen(frozen_modules(embed.float()))
     return head
+
+
+def load_mask_token(raw: dict[str, Any], file: Path, given: int | None) -> int:
+    """A P-EAGLE head's mask token: `given` (it must agree with a recorded one), else the one config.json
+    records. SpecForge's exports record none, and no guess is safe (the head learned ONE token's row):
+    ValueError asking for it."""
+    recorded = recorded_mask_token(raw)
+    if given is not None and recorded is not None and int(given) != recorded:
+        raise ValueError(f"{file}: its config.json records mask token {recorded}, not the given {given}")
+    if given is None and recorded is None:
+        raise ValueError(
+            f"{file.parent}: a P-EAGLE head (mask_hidden) whose config.json names no mask token "
+            "(SpecForge writes none): pass the id it was trained with (draft.type=peagle "
+            "draft.mask_token_id=N, or `mask_token_id` in its config.json); a wrong id drafts garbage"
+        )
+    return int(given if given is not None else recorded)

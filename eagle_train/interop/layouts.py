@@ -209,7 +209,7 @@ def export_head(
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")
     dtype = dtype or head.fc.weight.dtype
-    if head.kind == "eagle3":
+    if head.kind != "eagle1":  # EAGLE-3 and P-EAGLE
         from eagle_train.interop.eagle3_layouts import eagle3_writer  # it builds on this module's helpers
 
         llama = llama_config_dict(head, dtype)
@@ -454,10 +454,14 @@ def warn_other_target(path: Path, meta: dict[str, Any], target) -> None:
         log.warning("draft head %s: %s", path, why)
 
 
-def load_draft(path: str | Path, target, device: torch.device | str | None = None):
+def load_draft(
+    path: str | Path, target, device: torch.device | str | None = None, mask_token_id: int | None = None
+):
     """Load a draft head for `target` (a `Target`) from this project's checkpoint, any exported layout,
     or a reference head (pytorch_model.bin or model.safetensors + config.json): EAGLE-1/2 heads
-    (`DraftHead`) and EAGLE-3 heads (`Eagle3Head`: the reference's, SpecForge's, speculators').
+    (`DraftHead`) and EAGLE-3 heads (`Eagle3Head`: the reference's, SpecForge's, speculators') and
+    P-EAGLE heads (`PEagleHead`: this project's, speculators', SpecForge's, NeMo's; `mask_token_id` for
+    a layout whose config.json records none).
 
     The target's embedding (EAGLE-1/2: and LM head) is shared into the head; it is returned in eval mode
     on the target's device and dtype (or `device`).
@@ -478,7 +482,8 @@ def load_draft(path: str | Path, target, device: torch.device | str | None = Non
 
     if is_eagle3(raw_config, raw_state):
         check_finite(raw_state, file)
-        head = load_eagle3(raw_config, raw_state, file, target, head_config(flat_config(raw_config)))
+        llama = head_config(flat_config(raw_config))
+        head = load_eagle3(raw_config, raw_state, file, target, llama, mask_token_id)
         warn_other_target(path, raw_config.get("eagle_train", {}), target)
         return head.to(device or target.device, target.dtype).eval()
     state = head_state(raw_state, file)

@@ -158,7 +158,7 @@ def widen_model_dir(source: str | Path, out_dir: str | Path, new_head_dim: int =
 
 @torch.no_grad()
 def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | Eagle3Head:
-    """The draft head (EAGLE-1/2 or EAGLE-3: its midlayer's attention the same way) re-expressed with
+    """The draft head (EAGLE-1/2, EAGLE-3 or P-EAGLE: every layer's attention the same way) re-expressed with
     `new_head_dim` (same outputs; `head` itself if it has that head_dim)."""
     config_dict = head.config.to_dict()
     head_dim = check_exact(config_dict)
@@ -167,7 +167,7 @@ def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | E
     config = LlamaConfig(**{**config_dict, "head_dim": new_head_dim})
     wide = (
         head.with_config(config)
-        if head.kind == "eagle3"
+        if head.kind != "eagle1"
         else DraftHead(config, fc_bias=head.fc.bias is not None, target=head)
     )
     wide.load_state_dict(widen_state(head.trainable_state_dict(), head_dim, new_head_dim), strict=False)

@@ -7,6 +7,8 @@
     h'   = h + o_proj(attention(x));  h'' = h' + mlp(post_attention_layernorm(h'))
     q    = softmax(lm_head(norm(h'')))    over the REDUCED draft vocabulary (`d2t`, `t2d`)
 
+With N decoder layers (`num_hidden_layers`, vLLM's multi-layer EAGLE-3), layers 1..N-1 are plain pre-norm
+Llama layers over h'' (keys `layers.1.*` ... `layers.{N-1}.*`, vLLM's names) before the final norm.
 The next step is fed h'' itself (d wide, so fc is skipped: it applies only to inputs wider than d);
 EAGLE-3.1's `norm_output` feeds norm(h'') instead. `forward` returns what the next step is fed (the
 draft *state*) and `logits` maps a state to draft logits, so drafters and metrics never ask which.
@@ -26,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from eagle_train.config.target import NUM_AUX_LAYERS
 from eagle_train.modeling.draft import (
     DraftAttention,
+    DraftDecoderLayer,
     FrozenParts,
     KVCache,
     draft_llama_config,
@@ -53,8 +56,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(FrozenParts, nn.Module):
-    """fc over three target features, one `midlayer`, a final norm and the draft's own LM head over
-    `draft_vocab_size` tokens; the target's frozen embedding."""
+    """fc over three target features, the `midlayer` (and N-1 plain layers), a final norm and the draft's
+    own LM head over `draft_vocab_size` tokens; the target's frozen embedding."""
 
     kind = "eagle3"
 
@@ -83,6 +86,10 @@ class Eagle3Head(FrozenParts, nn.Module):
             else None
         )
         self.midlayer = Eagle3Layer(config)
+        # layers 1..N-1, keyed by their index so the state keys are vLLM's `layers.i.*`
+        self.layers = nn.ModuleDict(
+            {str(i): DraftDecoderLayer(config, i) for i in range(1, config.num_hidden_layers)}
+        )
         self.norm = LlamaRMSNorm(d, eps=eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -107,8 +114,9 @@ class Eagle3Head(FrozenParts, nn.Module):
         fc_norm: bool = False,
         norm_output: bool = False,
         target=None,
+        num_layers: int = 1,
     ) -> Eagle3Head:
-        config = draft_llama_config(target_config, 1)
+        config = draft_llama_config(target_config, num_layers)
         return cls(config, aux_layers, draft_vocab_size, fc_norm, norm_output, target=target)
 
     def with_config(self, config: LlamaConfig) -> Eagle3Head:
@@ -155,7 +163,7 @@ class Eagle3Head(FrozenParts, nn.Module):
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own tensors in the serving key layout (no embedding, no RoPE buffers)."""
-        own = ("fc.", "fc_norm.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+        own = ("fc.", "fc_norm.", "midlayer.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
         return {k: v for k, v in self.state_dict().items() if k.startswith(own)}
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -175,12 +183,18 @@ class Eagle3Head(FrozenParts, nn.Module):
     ) -> torch.Tensor:
         """The draft state [batch, seq, d] the next step is fed (see the module docstring)."""
         hidden = self.fuse(features) if features.shape[-1] != self.config.hidden_size else features
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        embeds = self.embed(input_ids).to(hidden.dtype)
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         cos_sin = self.rotary_emb(hidden, position_ids)
         hidden = self.midlayer(embeds, hidden, cos_sin, attention_mask, cache)
+        for layer in self.layers.values():
+            hidden = layer(hidden, cos_sin, attention_mask, cache)
         return self.norm(hidden) if self.norm_output else hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding of the draft's inputs: [...] -> [..., d] (the target's, frozen)."""
+        return self.embed_tokens(input_ids)
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary: [..., d] -> [..., draft_vocab]."""
@@ -204,20 +218,21 @@ EAGLE3_FIELDS = (
 
 
 def is_eagle3_config(raw: dict) -> bool:
-    """Whether a head's config.json describes an EAGLE-3 head."""
+    """Whether a head's config.json describes an EAGLE-3 head (P-EAGLE heads are EAGLE-3 heads too)."""
     archs = raw.get("architectures") or []
-    return any("Eagle3" in a for a in archs) or (raw.get("eagle_train") or {}).get("type") == "eagle3"
+    kind = (raw.get("eagle_train") or {}).get("type")
+    return any("Eagle3" in a for a in archs) or kind in ("eagle3", "peagle")
 
 
 def eagle3_config_fields(head: Eagle3Head) -> dict:
-    """What vLLM, SGLang and the reference read beyond the Llama shape: the architecture, one layer, the
+    """What vLLM, SGLang and the reference read beyond the Llama shape: the architecture, the layers, the
     draft vocabulary, the target's width, the aux layer ids (in `eagle_config`, where SGLang looks, and
     which vLLM reads too) and the EAGLE-3.1 switches (`norm_before_residual: false`: the residual is the
     un-normed h, as in the reference; the speculators format defaults it to true)."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "num_hidden_layers": 1,
+        "num_hidden_layers": int(head.config.num_hidden_layers),
         "vocab_size": int(head.config.vocab_size),
         "draft_vocab_size": head.draft_vocab_size,
         "target_hidden_size": head.target_hidden_size,
@@ -240,19 +255,22 @@ def recorded_aux_layers(raw: dict) -> list[int] | None:
     return [int(i) for i in ids] if ids else None
 
 
-def eagle3_from_config(config: LlamaConfig, raw: dict, aux_layers: list[int], target=None) -> Eagle3Head:
-    """An (untrained) head of the shape a config.json describes; `aux_layers` as resolved by the caller
-    (the recorded ids, or the reference's default for the target); with `target`, its frozen embedding."""
+def eagle3_head_args(config: LlamaConfig, raw: dict) -> dict:
+    """The head's constructor arguments beyond the Llama shape and aux layers that a config.json gives
+    (draft vocabulary, EAGLE-3.1 switches, the target's width), after refusing what it cannot hold."""
     if raw.get("norm_before_fc"):
         raise ValueError("norm_before_fc (one RMSNorm over the fused 3d input) is not supported")
     if raw.get("norm_before_residual"):
         raise ValueError("norm_before_residual: true (the residual taken after hidden_norm) is not supported")
-    return Eagle3Head(
-        config,
-        aux_layers,
-        int(raw.get("draft_vocab_size") or config.vocab_size),
-        fc_norm=bool(raw.get("fc_norm")),
-        norm_output=bool(raw.get("norm_output")),
-        target_hidden_size=raw.get("target_hidden_size"),
-        target=target,
-    )
+    return {
+        "draft_vocab_size": int(raw.get("draft_vocab_size") or config.vocab_size),
+        "fc_norm": bool(raw.get("fc_norm")),
+        "norm_output": bool(raw.get("norm_output")),
+        "target_hidden_size": raw.get("target_hidden_size"),
+    }
+
+
+def eagle3_from_config(config: LlamaConfig, raw: dict, aux_layers: list[int], target=None) -> Eagle3Head:
+    """An (untrained) head of the shape a config.json describes; `aux_layers` as resolved by the caller
+    (the recorded ids, or the reference's default for the target); with `target`, its frozen embedding."""
+    return Eagle3Head(config, aux_layers, **eagle3_head_args(config, raw), target=target)

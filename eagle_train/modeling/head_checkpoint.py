@@ -1,13 +1,14 @@
 """Draft-head checkpoints in the serving layout: `model.safetensors` + `config.json`.
 
 The weights are the head's own: EAGLE-1/2 fc.*, layers.* (no embedding, no LM head); EAGLE-3 fc.*,
-midlayer.*, norm, its own lm_head, d2t, t2d (no embedding). config.json is the draft's Llama config
+midlayer.*, layers.* (layers 1..N-1), norm, its own lm_head, d2t, t2d (no embedding); P-EAGLE also
+mask_hidden and mask_embedding (the learned row of its mask token). config.json is the draft's Llama config
 (the target's shapes, `num_hidden_layers` = the head's layers; EAGLE-3 also its architecture, draft
-vocabulary and aux layer ids, eagle_train.modeling.eagle3) plus an `eagle_train` block: the head type,
-the target it was trained for, fc bias, training max length and the sha256 of model.safetensors
-(`weights_sha256`). Writes are atomic. Before a head is used (`load_head`, `interop.load_draft`) its files
-are checked against every checksum recorded for them (`check_head_files`: that sha256 and, in a training
-checkpoint, training_state/trainer.json's): a changed file is refused, named.
+vocabulary and aux layer ids, eagle_train.modeling.eagle3; P-EAGLE its mask token, eagle_train.modeling.peagle)
+plus an `eagle_train` block: the head type, the target it was trained for, fc bias, training max length and
+the sha256 of model.safetensors (`weights_sha256`). Writes are atomic. Before a head is used (`load_head`,
+`interop.load_draft`) its files are checked against every checksum recorded for them (`check_head_files`:
+that sha256 and, in a training checkpoint, training_state/trainer.json's): a changed file is refused, named.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ from eagle_train.modeling.eagle3 import (
     is_eagle3_config,
     recorded_aux_layers,
 )
+from eagle_train.modeling.peagle import (
+    PEAGLE_FIELDS,
+    is_peagle_config,
+    peagle_config_fields,
+    peagle_from_config,
+    recorded_mask_token,
+)
 from eagle_train.runtime.atomic_files import atomic_write_dir, file_sha256, read_json
 
 WEIGHTS_NAME = "model.safetensors"
@@ -47,6 +55,8 @@ def head_config_dict(head: DraftHead | Eagle3Head, meta: dict[str, Any] | None =
     config["architectures"] = ["LlamaForCausalLM"]
     if head.kind == "eagle3":
         config.update(eagle3_config_fields(head))
+    elif head.kind == "peagle":
+        config.update(peagle_config_fields(head))
     config["eagle_train"] = {"type": head.kind, "fc_bias": head.fc.bias is not None, **(meta or {})}
     return config
 
@@ -132,11 +142,14 @@ def load_head(
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
     check_head_files(path)
     raw = read_json(config_file, "draft head config")
-    eagle3 = is_eagle3_config(raw)
+    eagle3, peagle = is_eagle3_config(raw), is_peagle_config(raw)
     meta = raw.pop("eagle_train", {})
-    dropped = ("architectures", "model_type", *(EAGLE3_FIELDS if eagle3 else ()))
+    dropped = ("architectures", "model_type", *(EAGLE3_FIELDS + PEAGLE_FIELDS if eagle3 else ()))
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
-    if eagle3:
+    if peagle:
+        mask = recorded_mask_token(raw)
+        head = peagle_from_config(config, raw, recorded_aux_layers(raw), mask, target=target)
+    elif eagle3:
         head = eagle3_from_config(config, raw, recorded_aux_layers(raw), target=target)
     else:
         head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)), target=target)

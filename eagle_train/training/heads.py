@@ -1,12 +1,14 @@
 """The head a training run starts from: fresh (seeded) for the configured type, or the one at draft.path.
 
-An EAGLE-3 head's draft vocabulary (`t2d`, `d2t`) is the `draft.vocab_size` most frequent assistant
-tokens of the TRAINING split (held-out sequences excluded), counted from token ids alone (no hidden
-state is read); its LM head starts from the target's rows of those tokens.
+An EAGLE-3 (and P-EAGLE) head's draft vocabulary (`t2d`, `d2t`) is the `draft.vocab_size` most frequent
+assistant tokens of the TRAINING split (held-out sequences excluded), counted from token ids alone (no
+hidden state is read); its LM head starts from the target's rows of those tokens. A P-EAGLE head's mask
+token is `draft.mask_token_id` or chosen here (`choose_mask_token`), and never one the data holds.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -18,8 +20,11 @@ from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.draft_vocab import count_assistant_tokens, default_draft_vocab_size, top_tokens
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import load_head
+from eagle_train.modeling.peagle import PEagleHead
 from eagle_train.modeling.target import TargetParts
 from eagle_train.training.data import Source
+
+log = logging.getLogger(__name__)
 
 
 def draft_vocabulary(source: Source, indices: Sequence[int], vocab_size: int, size: int) -> torch.Tensor:
@@ -28,15 +33,91 @@ def draft_vocabulary(source: Source, indices: Sequence[int], vocab_size: int, si
     return top_tokens(counts, size)
 
 
+def token_usage(source: Source, vocab_size: int) -> torch.Tensor:
+    """[vocab] bool: every token id any sample of `source` holds (training and held-out alike)."""
+    used = torch.zeros(vocab_size, dtype=torch.bool)
+    for i in range(len(source)):
+        ids = source.tokens(i)[0].long()
+        used[ids[(ids >= 0) & (ids < vocab_size)]] = True
+    return used
+
+
+def mask_token_candidates(tokenizer, vocab_size: int) -> list[tuple[int, str]]:
+    """(id, why) in the order they are tried: the tokenizer's own mask token, the first embedding row past
+    the tokenizer (a padded vocabulary: no text ever maps there), its reserved special tokens, unk, pad."""
+    found = [(getattr(tokenizer, "mask_token_id", None), "the tokenizer's mask token")]
+    if len(tokenizer) < vocab_size:
+        found.append(
+            (len(tokenizer), f"the first embedding row past the tokenizer's {len(tokenizer)} tokens")
+        )
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found += [(i, f"the reserved special token {t.content!r}") for i, t in sorted(added.items())
+              if "reserved" in str(t.content).lower()]  # fmt: skip
+    found += [(getattr(tokenizer, "unk_token_id", None), "the unknown token")]
+    found += [(getattr(tokenizer, "pad_token_id", None), "the padding token")]
+    return [(int(i), why) for i, why in found if i is not None and 0 <= int(i) < vocab_size]
+
+
+def choose_mask_token(
+    tokenizer, vocab_size: int, stop_ids: Sequence[int], used: torch.Tensor, explicit: int | None = None
+) -> tuple[int, str]:
+    """P-EAGLE's mask token and why it was chosen: `explicit` (checked), else the first of
+    `mask_token_candidates` that is no stop / BOS / EOS token and occurs nowhere in the data (`used`:
+    [vocab] bool, `token_usage`). ValueError naming what was tried when none qualifies."""
+    special = {int(i) for i in stop_ids} | {
+        int(i) for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None
+    }
+
+    def problem(i: int) -> str | None:
+        if not 0 <= i < vocab_size:
+            return f"outside the vocabulary [0, {vocab_size})"
+        if i in special:
+            return "a BOS / EOS / stop token the target emits"
+        return "in the training data" if bool(used[i]) else None
+
+    if explicit is not None:
+        why = problem(int(explicit))
+        if why:
+            raise ValueError(f"draft.mask_token_id={explicit} cannot be the mask token: it is {why}")
+        return int(explicit), "draft.mask_token_id"
+    tried = []
+    for i, reason in mask_token_candidates(tokenizer, vocab_size):
+        why = problem(i)
+        if why is None:
+            return i, reason
+        tried.append(f"{i} ({reason}: {why})")
+    raise ValueError(
+        "no token is free to be P-EAGLE's mask token (tried: " + ("; ".join(tried) or "none") + "): set "
+        "draft.mask_token_id to a token id the target never emits and the data never holds"
+    )
+
+
 def fresh_head(cfg: DraftConfig, target: TargetParts, source: Source, train: Sequence[int], seed: int):
     """A new head of type `cfg.type` (weights seeded by `seed`)."""
     torch.manual_seed(seed)
     if cfg.type == "eagle1":
         return DraftHead.from_target(target.config, cfg.num_layers, cfg.has_fc_bias, target=target)
     size = cfg.vocab_size or default_draft_vocab_size(target.vocab_size)
-    head = Eagle3Head.from_target(
-        target.config, target.aux_layers, size, cfg.fc_norm, cfg.norm_output, target=target
-    )
+    if cfg.type == "peagle":
+        mask, why = choose_mask_token(
+            target.tokenizer, target.vocab_size, target.cfg.stop_token_ids,
+            token_usage(source, target.vocab_size), cfg.mask_token_id,
+        )  # fmt: skip
+        log.info("P-EAGLE mask token: %d (%s)", mask, why)
+        head = PEagleHead.from_target(
+            target.config,
+            target.aux_layers,
+            size,
+            mask,
+            cfg.fc_norm,
+            target=target,
+            num_layers=cfg.num_layers,
+        )
+    else:
+        head = Eagle3Head.from_target(
+            target.config, target.aux_layers, size, cfg.fc_norm, cfg.norm_output, target=target,
+            num_layers=cfg.num_layers,
+        )  # fmt: skip
     head.set_vocabulary(draft_vocabulary(source, train, target.vocab_size, size), target.lm_head.weight)
     return head
 
@@ -60,10 +141,15 @@ def build_head(
         head, meta = load_head(resolve_path(cfg.path), target=target)
         if head.kind != cfg.type:
             raise ValueError(f"draft.path {cfg.path} is an {head.kind} head, but draft.type={cfg.type}")
-        if head.kind == "eagle3" and head.aux_layers != target.aux_layers:
+        if head.kind != "eagle1" and head.aux_layers != target.aux_layers:
             raise ValueError(
                 f"draft.path {cfg.path} reads target layers {head.aux_layers}, target.aux_layers "
                 f"resolves to {target.aux_layers}: set target.aux_layers={head.aux_layers}"
+            )
+        if head.kind == "peagle" and bool(token_usage(source, target.vocab_size)[head.mask_token_id]):
+            raise ValueError(
+                f"draft.path {cfg.path}: its mask token {head.mask_token_id} occurs in the training data: "
+                "the placeholder would stand for a real token"
             )
         warn_other_target(resolve_path(cfg.path), meta, target)  # initial weights for another target
     else:
@@ -71,4 +157,6 @@ def build_head(
     for module in head.children():  # the registered (trained) modules; the frozen parts are not among them
         module.float()
     head.share_target_weights(target, frozen_dtype)
+    if head.kind == "peagle" and not cfg.path:
+        head.reset_mask_embedding()  # the target's own row, now that the head holds the target's embedding
     return head

@@ -14,6 +14,10 @@ predicts t_{j+2+k}: every step-0 alignment above moves k columns on (`shift_left
 distribution lm_head(f_{j+1+k}), the token t_{j+2+k}, the mask mask[j+2+k]). The loss of a step is the
 soft CE against the target's distribution restricted to the draft vocabulary, over the assistant
 positions whose token is in that vocabulary; the total is sum_k decay^k * mean CE_k, no regression.
+
+P-EAGLE (`parallel_loss_sums`): the same soft CE (or KL) per element of its COD sequence (eagle_train.training.cod),
+an element at head position a + d (anchor a, depth d) aligned as that position is above; the total is the
+CE sum over all depths / their trainable elements (no decay: `combine_ttt_terms` with one pooled term).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eagle_train.config.train import NOISE_MODES
 from eagle_train.modeling.logit_transform import LogitTransform
@@ -307,3 +312,58 @@ def combine_ttt_terms(
     ]
     total = sum(decay**k * mean for k, mean in enumerate(means))
     return {"loss": total, **{f"ce_step{k + 1}": mean for k, mean in enumerate(means)}}
+
+
+def parallel_loss_sums(
+    states: torch.Tensor,  # [M, d] the draft's outputs of the elements on the loss mask
+    draft_logits: Callable[[torch.Tensor], torch.Tensor],  # [c, d] -> [c, draft_vocab]: the head's
+    target_hidden: torch.Tensor,  # [M, d] f at each element's position (its target is lm_head(f))
+    kept_lm_head: torch.Tensor,  # [draft_vocab, d] the target LM head's rows of the draft vocabulary
+    labels: torch.Tensor,  # [M] hard: the draft id of the data token (soft: unused)
+    greedy: torch.Tensor,  # [M] the target's greedy token (a target id)
+    trainable: torch.Tensor,  # [M] bool: the element's token is in the draft vocabulary
+    depth: torch.Tensor,  # [M] each element's depth, 0..num_depths-1
+    draft_ids: torch.Tensor,  # [draft_vocab] the target id of each draft token
+    num_depths: int,
+    soft: bool = True,
+    kl: bool = False,
+    transform: LogitTransform | None = None,
+    chunk: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """P-EAGLE's per-depth SUMS [num_depths] over its COD elements (eagle_train.training.cod): `ce` the soft CE
+    against the target's distribution over the draft vocabulary (`kl`: KL(target || draft), the same
+    gradient; hard: the data token's draft id) at the trainable elements, no depth decay; `correct` draft
+    top-1 == the target's greedy token over every element (a token outside the draft vocabulary is a
+    miss); `tokens` / `positions` the counts. The draft vocabulary's [c, V] logits exist one chunk at a
+    time (`chunk` elements, default `chunk_positions`): with several chunks each is recomputed in the
+    backward (activation checkpointing), so memory stays bounded at any element count."""
+    chunk = chunk or chunk_positions(kept_lm_head.shape[0], states.device)
+
+    def part(st, th, lab, gr, tr, dp):
+        logp = torch.log_softmax(draft_logits(st).float(), dim=-1)  # [c, V]
+        with torch.no_grad():
+            target = (th.float() @ kept_lm_head.float().T)[tr]
+            target = torch.softmax(transform(target) if transform is not None else target, dim=-1)
+            hit = (draft_ids[logp.max(-1).indices] == gr).float()
+        if soft:
+            row = -(target * logp[tr]).sum(-1)
+            row = row + torch.special.xlogy(target, target).sum(-1) if kl else row
+        else:
+            row = F.nll_loss(logp[tr], lab[tr], reduction="none")
+        ce = torch.zeros(num_depths, device=st.device).index_add(0, dp[tr], row)
+        return ce, torch.zeros(num_depths, device=st.device).index_add(0, dp, hit)
+
+    ce, correct = [], []
+    for lo in range(0, states.shape[0], chunk):
+        args = [x[lo : lo + chunk] for x in (states, target_hidden, labels, greedy, trainable, depth)]
+        several = states.requires_grad and states.shape[0] > chunk
+        out = checkpoint(part, *args, use_reentrant=False) if several else part(*args)
+        ce.append(out[0])
+        correct.append(out[1].detach())
+    zeros = torch.zeros(num_depths, device=states.device)
+    return {
+        "ce": torch.stack(ce).sum(0) if ce else zeros,
+        "correct": torch.stack(correct).sum(0) if correct else zeros,
+        "tokens": zeros.index_add(0, depth, trainable.float()),
+        "positions": zeros.index_add(0, depth, torch.ones_like(depth, dtype=torch.float32)),
+    }

@@ -10,7 +10,9 @@ greedy verification accepts, not against the data token.
 - simulated acceptance length for a chain of K: 1 + the number of leading steps whose top-1 equals the
   target's greedy token (the +1 is the target's bonus token), averaged over the chain starts.
 The tokens fed are the data's, so the simulation is exact when the data is the target's own greedy
-output (regenerated replies) and an approximation on other text.
+output (regenerated replies) and an approximation on other text. A P-EAGLE head's chain is drafted the
+way vLLM drafts it, [context | next token | K-1 placeholders] in one causal forward (`parallel_unroll`):
+its k-step accuracy is the accuracy of the draft at slot k.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from eagle_train.training.loss import shift_left
-from eagle_train.training.ttt import unroll
+from eagle_train.training.ttt import parallel_unroll, unroll
 
 
 @torch.no_grad()
@@ -33,8 +35,9 @@ def chain_topk(
     """Top-k draft tokens [batch, n, k] (target ids: an EAGLE-3 head's draft ids mapped through its
     `vocab_map`) at each chain step 1..depth for the chains started at every j."""
     vocab_map = getattr(head, "vocab_map", None)
+    drafts = parallel_unroll if getattr(head, "kind", None) == "peagle" else unroll
     tops = []
-    for state in unroll(head, input_ids, features, depth):
+    for state in drafts(head, input_ids, features, depth):
         top = head.logits(state).topk(k, dim=-1).indices
         tops.append(top if vocab_map is None else vocab_map[top])
     return tops

@@ -5,7 +5,8 @@ and forms the loss from the sums and the GLOBAL normalisers of the optimizer ste
 all processes), so the loss does not depend on how a step is split. The pure formulas live in
 `eagle_train.training.loss`; the unroll of EAGLE-3's training-time test in `eagle_train.training.ttt`.
 
-    objective.prepare(batch)              derived no-grad fields (EAGLE-3: the target's greedy tokens)
+    objective.prepare(batch, g)           derived no-grad fields (EAGLE-3: the target's greedy tokens;
+                                          P-EAGLE: its COD elements, drawn from g; g None: a fixed seed)
     objective.normalisers(batch)          [c] this micro-batch's share of the step's normalisers
     objective.sums(model, batch, g)       {term: tensor} (g: the noise generator, None at evaluation)
     objective.loss(sums, normalisers)     the scalar to backpropagate
@@ -20,11 +21,13 @@ import torch
 
 from eagle_train.config.train import LossConfig
 from eagle_train.modeling.logit_transform import LogitTransform
+from eagle_train.training.cod import CodBatch, by_depth, cod_attention_mask, cod_forward, flatten_cod
 from eagle_train.training.loss import (
     add_feature_noise,
     combine_terms,
     combine_ttt_terms,
     eagle_loss_sums,
+    parallel_loss_sums,
     shift_left,
     ttt_loss_sums,
     ttt_target_probs,
@@ -35,7 +38,9 @@ from eagle_train.training.ttt import unroll
 class Objective(Protocol):
     terms: tuple[str, ...]  # the summed terms, in the order they are reduced across processes
 
-    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def prepare(
+        self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]: ...
 
     def normalisers(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
@@ -55,7 +60,7 @@ class EagleObjective:
     def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform):
         self.cfg, self.lm_weight, self.transform = cfg, target_lm_head, transform
 
-    def prepare(self, batch):
+    def prepare(self, batch, generator=None):
         return batch
 
     def normalisers(self, batch):
@@ -101,7 +106,7 @@ class Eagle3Objective:
         )
 
     @torch.no_grad()
-    def prepare(self, batch):
+    def prepare(self, batch, generator=None):
         """Adds `greedy` [b, n]: the target's greedy token argmax(lm_head(f_{j+1})) at the masked
         positions (it decides the soft loss's mask and every accuracy), and `labels` (soft: greedy;
         hard: the data token t_{j+2})."""
@@ -171,6 +176,118 @@ class Eagle3Objective:
         return out
 
 
+class PEagleObjective(Eagle3Objective):
+    """P-EAGLE: the micro-batch's COD elements (eagle_train.training.cod: real pairs at depth 0, placeholders
+    after) through the head in ONE forward; the soft CE (or KL) of every element on the loss mask whose
+    token is in the draft vocabulary, all depths pooled with no decay; accuracy per depth against the
+    target's greedy token. The COD sample is drawn in `prepare` from the micro-batch's generator."""
+
+    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head):
+        super().__init__(cfg, target_lm_head, transform, head)
+        self.steps = cfg.cod.num_depths
+        self.terms = tuple(
+            f"{name}_{d}" for d in range(self.steps) for name in ("ce", "correct", "tokens", "positions")
+        )
+
+    @torch.no_grad()
+    def prepare(self, batch, generator=None):
+        """EAGLE-3's fields plus the COD elements (`cod_anchor`, `cod_depth`, `cod_real` [b, T]); without
+        a generator (evaluation) a fixed seed."""
+        batch = super().prepare(batch)
+        device, cod = batch["loss_mask"].device, self.cfg.cod
+        generator = generator or torch.Generator(device=device).manual_seed(0)
+        elements = flatten_cod(
+            batch["loss_mask"],
+            batch["positions"],
+            cod.num_depths,
+            cod.r,
+            cod.r_min,
+            generator,
+            cod.max_anchors,
+        )
+        return {
+            **batch,
+            "cod_anchor": elements.anchor,
+            "cod_depth": elements.depth,
+            "cod_real": elements.real,
+        }
+
+    @staticmethod
+    def elements(batch) -> CodBatch:
+        return CodBatch(batch["cod_anchor"], batch["cod_depth"], batch["cod_real"])
+
+    def _on_mask(self, batch, cod: CodBatch) -> torch.Tensor:
+        """[b, T] bool: the real elements whose position is on the loss mask."""
+        return cod.real & cod.gather(batch["loss_mask"].bool())
+
+    def normalisers(self, batch):
+        cod = self.elements(batch)
+        trainable = self._on_mask(batch, cod) & cod.gather(self.t2d[batch["labels"]])
+        return trainable.sum().float().reshape(1)
+
+    def sums(self, model, batch, generator):
+        head, cod = getattr(model, "module", model), self.elements(batch)
+        features = noisy_features(batch, self.cfg, generator)
+        rows, positions, depth, states = self._elements_on_mask(model, head, batch, features, cod)
+        picked = lambda x: x[rows, positions]  # noqa: E731 [M, ...]: at each element's head position
+        draft_ids, labels = head.vocab_map.to(self.lm_weight.device), picked(batch["labels"])
+        draft_index = torch.cumsum(self.t2d.long(), 0) - 1  # [vocab] the draft id of each kept token
+        sums = parallel_loss_sums(
+            states, head.logits, picked(batch["target_hidden"]), self.lm_weight[draft_ids],
+            draft_index[labels], picked(batch["greedy"]), self.t2d[labels], depth, draft_ids,
+            self.steps, self.cfg.soft, self.cfg.divergence == "kl",
+            None if self.transform.identity else self.transform,
+        )  # fmt: skip
+        return {f"{name}_{d}": sums[name][d] for d in range(self.steps) for name in sums}
+
+    def _elements_on_mask(self, model, head, batch, features, cod: CodBatch):
+        """(row [M], head position [M], depth [M], state [M, d]) of every element on the loss mask, from
+        one forward over the flattened sequence (an accelerator: the memory-efficient attention kernel
+        takes its mask) or depth by depth (a CPU: `cod_forward`, the same states, several times faster)."""
+        mask = batch["loss_mask"].bool()
+        rows = torch.arange(mask.shape[0], device=mask.device)[:, None]
+        if mask.device.type != "cpu":
+            ids, feats = head.placeholders(
+                cod.gather(batch["input_ids"]), cod.gather(features), cod.depth > 0
+            )
+            states = model(ids, feats, cod.positions, cod_attention_mask(cod), None)  # [b, T, d]
+            on = self._on_mask(batch, cod)
+            return rows.expand_as(on)[on], cod.positions[on], cod.depth[on], states[on]
+        depths = by_depth(cod, self.steps)
+        per_depth = cod_forward(head, batch["input_ids"], features, depths, forward=model)
+        n = mask.shape[1]
+        found = [(rows.expand_as(mask)[mask], torch.nonzero(mask)[:, 1], torch.zeros_like(mask[mask], dtype=torch.long),
+                  per_depth[0][mask])]  # fmt: skip
+        for d, (anchor, valid, states) in enumerate(
+            zip(depths.anchors, depths.valid, per_depth[1:], strict=True), start=1
+        ):
+            on = valid & mask.gather(1, (anchor + d).clamp(max=n - 1))
+            found.append(
+                (rows.expand_as(on)[on], (anchor + d)[on], torch.full_like(anchor[on], d), states[on])
+            )
+        return tuple(torch.cat(parts) for parts in zip(*found, strict=True))
+
+    def loss(self, sums, normalisers):
+        ce = sum(sums[f"ce_{d}"] for d in range(self.steps))
+        return combine_ttt_terms([ce], [normalisers[0]], 1.0)["loss"]
+
+    def summary(self, totals):
+        depths = range(self.steps)
+        pooled = combine_ttt_terms(
+            [torch.tensor(sum(totals[f"ce_{d}"] for d in depths), dtype=torch.float64)],
+            [sum(totals[f"tokens_{d}"] for d in depths)],
+            1.0,
+        )
+        out = {"loss": float(pooled["loss"]), "ce": float(pooled["loss"])}
+        for d in depths:
+            out[f"ce_depth{d + 1}"] = totals[f"ce_{d}"] / max(totals[f"tokens_{d}"], 1.0)
+            out[f"cod_acc_depth{d + 1}"] = totals[f"correct_{d}"] / max(totals[f"positions_{d}"], 1.0)
+            out[f"cod_elements_depth{d + 1}"] = totals[f"positions_{d}"]
+        out["top1"] = out["cod_acc_depth1"]
+        out["vocab_coverage"] = totals["tokens_0"] / max(totals["positions_0"], 1.0)
+        return out
+
+
 def noisy_features(batch, cfg: LossConfig, generator: torch.Generator | None) -> torch.Tensor:
     """The micro-batch's input features, with the configured noise when a generator is given (each
     sequence's tokens = its head positions + 1)."""
@@ -186,4 +303,6 @@ def make_objective(
     [vocab, d] (EAGLE-1: the head's own copy of it), `transform` the target's output processing."""
     if kind == "eagle3":
         return Eagle3Objective(cfg, target_lm_head, transform, head)
+    if kind == "peagle":
+        return PEagleObjective(cfg, target_lm_head, transform, head)
     return EagleObjective(cfg, target_lm_head, transform)

@@ -1,4 +1,5 @@
-"""A draft head unrolled over its own outputs: EAGLE-3's training-time test and the chain metrics.
+"""A draft head unrolled over its own outputs: EAGLE-3's training-time test and the chain metrics (and a
+P-EAGLE head unrolled over its placeholders: `parallel_unroll`, the chain metrics of P-EAGLE).
 
 Step 0 runs the head on the real pairs (feature_j, t_{j+1}) of every position j at once. Step k (k >= 1)
 feeds each position its own step k-1 output with the token k further on, (h^{k-1}_j, t_{j+1+k}), at
@@ -62,9 +63,10 @@ class DiagonalCache:
 
 
 def dense_prefix_diagonal(q, k0, v0, kd, vd, future: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of q [b, h, n, e] over the causal prefix k0, v0 [b, h, n, e] and each query's own
-    diagonal keys kd, vd [b, h, n, k, e], with the [n, n] scores in memory (`future`: the masked part)."""
-    n, q = q.shape[2], q * (1.0 / math.sqrt(q.shape[-1]))  # scaled once, before every product
+    """Softmax attention of q [b, h, m, e] over the prefix k0, v0 [b, h, n, e] and each query's own
+    diagonal keys kd, vd [b, h, m, k, e], with the [m, n] scores in memory (`future` [.., m, n], True: the
+    masked part; the unroll's is causal, m = n)."""
+    n, q = k0.shape[2], q * (1.0 / math.sqrt(q.shape[-1]))  # scaled once, before every product
     prefix = (q @ k0.transpose(-1, -2)).masked_fill(future, float("-inf"))  # [b, h, n, n]
     diagonal = (q.unsqueeze(-2) * kd).sum(-1)  # [b, h, n, k]
     dtype = torch.promote_types(q.dtype, torch.float32)
@@ -86,9 +88,12 @@ class PrefixDiagonalAttention(torch.autograd.Function):
     written out (scores d_i = q . kd_i / sqrt(e), weights w_i = exp(d_i - l))."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd):
+    def forward(ctx, q, k0, v0, kd, vd, mask=None):
+        """mask: None (the prefix is causal) or an additive float mask [b|1, 1, m, n] (0 / -inf)."""
         scale = 1.0 / math.sqrt(q.shape[-1])
-        prefix, prefix_lse = FLASH_CPU(q, k0, v0, 0.0, True, scale=scale)  # [b, h, n, e], [b, h, n] float32
+        prefix, prefix_lse = FLASH_CPU(
+            q, k0, v0, 0.0, mask is None, attn_mask=mask, scale=scale
+        )  # [b, h, m, e]
         dtype = torch.promote_types(q.dtype, torch.float32)
         diagonal = (q.unsqueeze(-2) * kd).sum(-1).to(dtype) * scale  # [b, h, n, k]
         lse = torch.logaddexp(prefix_lse, diagonal.logsumexp(-1))  # [b, h, n]
@@ -96,14 +101,17 @@ class PrefixDiagonalAttention(torch.autograd.Function):
         out = prefix * (prefix_lse - lse).exp().unsqueeze(-1) + (weights.unsqueeze(-1) * vd).sum(-2)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, kd, vd, weights, out, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.mask = scale, mask
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k0, v0, kd, vd, weights, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
-        dq, dk0, dv0 = FLASH_CPU_BACKWARD(grad, q, k0, v0, out, lse, 0.0, True, scale=ctx.scale)
+        causal, mask = ctx.mask is None, ctx.mask
+        dq, dk0, dv0 = FLASH_CPU_BACKWARD(
+            grad, q, k0, v0, out, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale
+        )
         row = (grad * out).sum(-1, keepdim=True).to(weights.dtype)  # [b, h, n, 1]: grad . out
         dd = (
             weights * ((grad.unsqueeze(-2) * vd).sum(-1) - row) * ctx.scale
@@ -111,7 +119,7 @@ class PrefixDiagonalAttention(torch.autograd.Function):
         dq = dq + (dd.unsqueeze(-1) * kd).sum(-2).to(q.dtype)
         dkd = (dd.unsqueeze(-1) * q.unsqueeze(-2)).to(kd.dtype)
         dvd = (weights.unsqueeze(-1) * grad.unsqueeze(-2)).to(vd.dtype)
-        return dq, dk0, dv0, dkd, dvd
+        return dq, dk0, dv0, dkd, dvd, None
 
 
 def unroll(
@@ -128,4 +136,23 @@ def unroll(
     for k in range(steps):
         fed = head(shift_left(input_ids, k, 0), fed, positions + k, None, cache)
         outputs.append(fed)
+    return outputs
+
+
+def parallel_unroll(
+    head: nn.Module,
+    input_ids: torch.Tensor,  # [batch, n] t_{j+1}
+    features: torch.Tensor,  # [batch, n, 3 d_t] the real features of position j
+    steps: int,
+) -> list[torch.Tensor]:
+    """A P-EAGLE head's outputs [batch, n, hidden] at steps 0..steps-1: step 0 the real pairs, step k >= 1
+    the placeholders (mask token, mask_hidden: `head.placeholders`) at position j + k. With the prefix +
+    diagonal attention above, step k at column j is the draft vLLM makes at slot k of a chain anchored at
+    j: one causal forward over [pairs 0..j | k placeholders] (tests/training/test_cod.py checks it)."""
+    cache = DiagonalCache()
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    outputs = [head(input_ids, features, positions, None, cache)]
+    ids, fed = head.placeholders(input_ids, features, torch.ones_like(input_ids, dtype=torch.bool))
+    for k in range(1, steps):
+        outputs.append(head(ids, fed, positions + k, None, cache))
     return outputs

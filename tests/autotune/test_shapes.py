@@ -263,3 +263,31 @@ def test_eagle3_heads_are_tuned_too(target, trained_eagle3_head, prompts, tmp_pa
     )
     for p in prompts:
         assert tree.generate(p).tokens == ar.generate(p).tokens
+
+
+@pytest.mark.slow
+def test_peagle_chains_are_replayed_and_costed_as_one_forward(target, trained_peagle_head, prompts):
+    """A P-EAGLE head drafts a round in its catch-up: the replay (one real pair + placeholders per position)
+    gives the decoder's tau for chains and trees alike, the cost curves say so (`parallel`: a round's
+    catch-up carries its tree depth - 1 placeholders, so a longer chain costs a wider catch-up, not more
+    forwards), and the chosen chain decodes losslessly."""
+    head = trained_peagle_head
+    sequences = greedy_sequences(target, prompts, NEW, lookahead=5)
+    calibration = calibrate(target, head, sequences, NEW, 4, 2, 12)
+    for length in (2, 4, 5):
+        column = calibration.accepted[1][:, max(length - 1, 1) - 1, length - 1 : length]
+        decoded = decoded_tau(target, head, prompts, method="chain", chain_length=length)
+        assert float(replay_tau(column, calibration.spans)[0]) == pytest.approx(decoded, abs=1e-9)
+    replayed = replay_tau(calibration.accepted[2][:, 2, 8:9], calibration.spans)  # depth 3, top_k 2, 10 nodes
+    decoded = decoded_tau(target, head, prompts, method="eagle2", depth=3, top_k=2, total_tokens=10)
+    assert float(replayed[0]) == pytest.approx(decoded, abs=1e-9)
+    costs = measure_costs(target, head, 32, max_nodes=12, max_depth=4, max_k=2, repeats=1)
+    assert costs.parallel and len(costs.catch_up_s) == 2 * 4 + 2 and costs.key["head_kind"] == "peagle"
+    assert costs.catch_up(2.0, 3) == costs.catch_up(5.0)  # 2 accepted + 3 placeholders: 5 inputs
+    choice = choose_shapes(calibration, costs)
+    chain = SpeculativeDecoder(
+        target, head, DecodeConfig(method="chain", max_new_tokens=NEW, **choice.decode_fields("chain"))
+    )
+    ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW))
+    for p in prompts:
+        assert chain.generate(p).tokens == ar.generate(p).tokens

@@ -140,32 +140,44 @@ def _tinystories_vocabulary(target, size: int) -> torch.Tensor:
 
 
 def train_eagle3_head(
-    target, steps: int = 200, batch: int = 8, lr: float = 3e-3, vocab: int = 256, seed: int = 0
+    target,
+    steps: int = 200,
+    batch: int = 8,
+    lr: float = 3e-3,
+    vocab: int = 256,
+    seed: int = 0,
+    kind: str = "eagle3",
+    layers: int = 1,
 ):
     """A small EAGLE-3 head trained with the package's own objective (training-time test of 3 steps,
-    soft CE over a 256-token draft vocabulary) on the target's features of TinyStories text."""
-    from eagle_train.config.train import LossConfig
+    soft CE over a 256-token draft vocabulary) on the target's features of TinyStories text; kind
+    "peagle": a P-EAGLE head (its mask token <unk>, COD over 4 depths)."""
+    from eagle_train.config.train import CodConfig, LossConfig
     from eagle_train.modeling.eagle3 import Eagle3Head
+    from eagle_train.modeling.peagle import PEagleHead
     from eagle_train.training.data import collate
-    from eagle_train.training.objective import Eagle3Objective
+    from eagle_train.training.objective import make_objective
 
     torch.manual_seed(seed)
     rows = _tinystories_rows(target)
     hidden, aux = target.aux_hidden_states(rows, None, target.aux_layers)
-    head = Eagle3Head.from_target(target.config, target.aux_layers, vocab)
+    if kind == "peagle":
+        head = PEagleHead.from_target(target.config, target.aux_layers, vocab, 0, num_layers=layers)
+    else:
+        head = Eagle3Head.from_target(target.config, target.aux_layers, vocab, num_layers=layers)
     head.set_vocabulary(_tinystories_vocabulary(target, vocab), target.lm_head.weight)
     head.share_target_weights(target)
-    objective = Eagle3Objective(
-        LossConfig(ttt_steps=3, noise="none"), target.lm_head.weight, target.logit_transform, head
-    )
+    loss = LossConfig(ttt_steps=3, noise="none", cod=CodConfig(num_depths=4))
+    objective = make_objective(kind, loss, target.lm_head.weight, target.logit_transform, head)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
     mask = torch.ones(rows.shape[1], dtype=torch.bool)
+    g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         pick = torch.randint(0, rows.shape[0], (batch,)).tolist()
         samples = [
             {"input_ids": rows[i], "loss_mask": mask, "hidden": hidden[i], "aux": aux[i]} for i in pick
         ]
-        b = objective.prepare(collate(samples))
+        b = objective.prepare(collate(samples), g)
         loss = objective.loss(objective.sums(head, b, None), objective.normalisers(b))
         opt.zero_grad()
         loss.backward()
@@ -176,3 +188,21 @@ def train_eagle3_head(
 @pytest.fixture(scope="session")
 def trained_eagle3_head(target):
     return train_eagle3_head(target)
+
+
+@pytest.fixture(scope="session")
+def trained_peagle_head(target):
+    """A 2-layer P-EAGLE head trained with its own objective (COD over 4 depths, one forward per step)."""
+    return train_eagle3_head(target, kind="peagle", layers=2)
+
+
+@pytest.fixture(scope="session")
+def random_peagle_head(target):
+    """An untrained P-EAGLE head (fixed seed): mask_hidden and its mask row random."""
+    from eagle_train.modeling.peagle import PEagleHead
+
+    torch.manual_seed(3)
+    head = PEagleHead.from_target(target.config, target.aux_layers, 256, 0, num_layers=2)
+    head.set_vocabulary(_tinystories_vocabulary(target, 256), target.lm_head.weight)
+    head.share_target_weights(target)
+    return head.eval()

@@ -41,15 +41,23 @@ def generate(target, head, cfg: DecodeConfig, prompt, **overrides):
     return decoder.generate(prompt)
 
 
-HEADS = ["random_head", "trained_head", "random_eagle3_head", "trained_eagle3_head"]
+HEADS = [
+    "random_head",
+    "trained_head",
+    "random_eagle3_head",
+    "trained_eagle3_head",
+    "random_peagle_head",
+    "trained_peagle_head",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head_kind", HEADS)
 @pytest.mark.parametrize("method", sorted(SPEC))
 def test_greedy_speculative_equals_autoregressive(request, target, method, head_kind):
-    """EAGLE-1/2 and EAGLE-3 heads (the latter: aux features, a 256-token draft vocabulary mapped to
-    target ids) in every tree: plain decoding's tokens, and trained heads are accepted."""
+    """EAGLE-1/2, EAGLE-3 and P-EAGLE heads (the latter two: aux features, a 256-token draft vocabulary
+    mapped to target ids; P-EAGLE: every tree from one forward's per-depth distributions) in every tree:
+    plain decoding's tokens, and trained heads are accepted."""
     head = request.getfixturevalue(head_kind)
     for prompt in prompts(target):
         ar = generate(target, None, DecodeConfig(method="ar"), prompt, max_new_tokens=100)
@@ -61,7 +69,32 @@ def test_greedy_speculative_equals_autoregressive(request, target, method, head_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head"])
+@pytest.mark.parametrize("method", sorted(SPEC))
+def test_a_peagle_head_drafts_a_round_in_one_forward_and_keeps_the_models_own_output(
+    target, trained_peagle_head, trained_eagle3_head, method, monkeypatch
+):
+    """The model's own output (Hugging Face `generate`), token for token, with every draft of a round
+    from ONE draft forward: the catch-up carries the placeholders (an EAGLE-3 head's chain of 4 takes
+    its catch-up plus one forward per depth)."""
+    forwards = []
+    original = Drafter._forward
+
+    def counting(self, *args, **kwargs):
+        forwards.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Drafter, "_forward", counting)
+    for prompt in prompts(target):
+        hf = generate(target, None, DecodeConfig(method="hf"), prompt, max_new_tokens=100)
+        for head, one_forward in ((trained_peagle_head, True), (trained_eagle3_head, False)):
+            forwards.clear()
+            result = generate(target, head, SPEC[method], prompt, max_new_tokens=100)
+            assert result.tokens == hf.tokens and result.stats.tau > 1.3
+            assert (len(forwards) <= result.stats.rounds + 1) == one_forward, (method, len(forwards))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head", "trained_peagle_head"])
 def test_stops_at_eos_like_autoregressive(request, target, head_kind):
     """A story ends with the stop id 1: every method stops on it, at the same token."""
     head = request.getfixturevalue(head_kind)
@@ -75,13 +108,13 @@ def test_stops_at_eos_like_autoregressive(request, target, head_kind):
 
 @pytest.mark.slow
 def test_context_limit_like_autoregressive(
-    target, target_cfg, random_head, trained_head, trained_eagle3_head
+    target, target_cfg, random_head, trained_head, trained_eagle3_head, trained_peagle_head
 ):
     short = replace(target, cfg=replace(target_cfg, max_len=40))
     prompt = prompts(target, 1)[0]
     ar = generate(short, None, DecodeConfig(method="ar"), prompt, max_new_tokens=500)
     assert ar.stop_reason == "context" and len(prompt) + len(ar.tokens) == 40
-    for head in (random_head, trained_head, trained_eagle3_head):
+    for head in (random_head, trained_head, trained_eagle3_head, trained_peagle_head):
         for cfg in SPEC.values():
             assert generate(short, head, cfg, prompt, max_new_tokens=500).tokens == ar.tokens
     hf = generate(short, None, DecodeConfig(method="hf"), prompt, max_new_tokens=500)
@@ -198,7 +231,8 @@ def joint_counts(target, head, sample_children: bool, runs: int, seed: int):
     root = int(logits[0, -1].argmax())
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
     plan = plan_static(shape_from_paths(paths))
-    drafter = Drafter(head, target.max_len, plan.shape.size, GenerationStats())
+    parallel = plan.shape.max_depth - 1 if getattr(head, "kind", "") == "peagle" else 0  # P-EAGLE's slots
+    drafter = Drafter(head, target.max_len, plan.shape.size, GenerationStats(), parallel=parallel)
     root_lp = drafter.catch_up(torch.cat([prompt[1:], torch.tensor([root])]), feats[0])
     g = torch.Generator().manual_seed(seed)
     memo: dict[tuple[int, ...], torch.Tensor] = {}
@@ -245,7 +279,7 @@ def _node_paths(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head"])
+@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head", "trained_peagle_head"])
 @pytest.mark.parametrize("sample_children", [False, True])
 def test_sampling_is_lossless_on_stories260k(request, target, head_kind, sample_children):
     """The EAGLE-3 head's q lives on its 256-token draft vocabulary, the target's top-6 support does not:
@@ -258,7 +292,7 @@ def test_sampling_is_lossless_on_stories260k(request, target, head_kind, sample_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head"])
+@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head", "trained_peagle_head"])
 def test_sampling_decoder_runs_and_stops(request, target, head_kind):
     head = request.getfixturevalue(head_kind)
     prompt = prompts(target, 1)[0]

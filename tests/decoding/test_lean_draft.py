@@ -71,24 +71,36 @@ def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias, attenti
 
 
 @pytest.mark.parametrize(
-    "fc_norm, norm_output, kv_heads", [(False, False, 2), (True, True, 4), (False, True, 2)]
-)
+    "fc_norm, norm_output, kv_heads, layers, kind",
+    [(False, False, 2, 1, "eagle3"), (True, True, 4, 1, "eagle3"), (False, True, 2, 1, "eagle3"),
+     (False, False, 2, 3, "eagle3"), (True, False, 4, 2, "peagle")],
+)  # fmt: skip
 @torch.no_grad()
-def test_lean_eagle3_forward_equals_head_forward(fc_norm, norm_output, kv_heads):
+def test_lean_eagle3_forward_equals_head_forward(fc_norm, norm_output, kv_heads, layers, kind):
     """The EAGLE-3 lean forward: target features (3d, through fc) for a causal prefix, then a tree step
-    fed the head's own states (d wide, fc skipped), log-probs over the draft vocabulary."""
+    fed the head's own states (d wide, fc skipped), log-probs over the draft vocabulary; multi-layer heads
+    (layers 1..N-1 plain pre-norm layers) and P-EAGLE heads (the learned row of the mask token, which the
+    prefix holds twice) alike."""
     from eagle_train.decoding.lean_draft import LeanEagle3, lean_forward
     from eagle_train.modeling.eagle3 import Eagle3Head
+    from eagle_train.modeling.peagle import PEagleHead
 
     torch.manual_seed(0)
-    head = Eagle3Head(config(kv_heads), [0, 1, 2], 20, fc_norm=fc_norm, norm_output=norm_output).eval()
+    shape = config(kv_heads)
+    shape.num_hidden_layers = layers
+    if kind == "peagle":
+        head = PEagleHead(shape, [0, 1, 2], 20, mask_token_id=7, fc_norm=fc_norm).eval()
+        head.mask_embedding.data.normal_()  # unlike the embedding's own row 7
+    else:
+        head = Eagle3Head(shape, [0, 1, 2], 20, fc_norm=fc_norm, norm_output=norm_output).eval()
     for name, p in head.named_parameters():
         if "norm" in name:
             p.data.uniform_(0.5, 1.5)
     lean = lean_forward(head, 128)
-    assert isinstance(lean, LeanEagle3)
-    caches = [StaticKVCache(1, kv_heads, 8, 64) for _ in range(2)]
+    assert isinstance(lean, LeanEagle3) and len(lean.layers) == layers
+    caches = [StaticKVCache(layers, kv_heads, 8, 64) for _ in range(2)]
     tokens, feats = torch.randint(0, 50, (9,)), torch.randn(9, 96)
+    tokens[[3, 8]] = 7
     ref = head(tokens[None], feats[None], torch.arange(9)[None], None, caches[0])[0]
     got = lean.forward(tokens, feats, torch.arange(9), None, caches[1])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -72,6 +72,14 @@ def sequence_chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[
     return chi_square_p(observed, [joint[seq] for seq in cells] + [0.0])
 
 
+@pytest.mark.parametrize("name", ["chain", "chain_sampled", "eagle2"])
+def test_a_peagle_head_samples_the_targets_distribution(target, trained_peagle_head, exact_joint, name):
+    """P-EAGLE's drafts of a round come from one forward, each depth's q not knowing the drafted tokens
+    before it: still a proposal drawn from q, so the output is the target's distribution."""
+    counts = sample_counts(target, trained_peagle_head, CONFIGS[name])
+    assert chi_square_p(counts, exact_joint) > 1e-3
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_generate_samples_the_targets_distribution(target, trained_head, exact_joint, name):
     counts = sample_counts(target, trained_head, CONFIGS[name])

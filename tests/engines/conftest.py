@@ -65,34 +65,28 @@ def wide_target(target_cfg, wide_target_dir):
     )
 
 
-@pytest.fixture(scope="session")
-def trained_ckpt(engine_python) -> Path:
-    """A small head trained online on TinyStories conversations (fc bias on, so the export folds it);
-    an earlier session's finished head is reused."""
+def train_once(name: str, steps: int, overrides: list[str]) -> Path:
+    """runs/engine_tests/<name>/final: a small head trained online on TinyStories conversations for
+    `steps` steps with `overrides`; an earlier session's finished head is reused."""
     from eagle_train.train import run
 
-    out = WORK / "head"
+    out = WORK / name
     final = out / "final"
     done = (final / "config.json").is_file() and read_json(final / "config.json")["eagle_train"].get(
         "step"
-    ) == TRAIN_STEPS
+    ) == steps
     if not done:
         shutil.rmtree(out, ignore_errors=True)
-        cfg = compose(
-            "train",
-            overrides=[
-                "+recipe=stories260k_cpu",
-                "data.source=online",
-                "data.limit=3000",
-                f"max_steps={TRAIN_STEPS}",
-                "eval_every=0",
-                "save_every=0",
-                "progress=false",
-                f"out_dir={out}",
-            ],
-        )
-        run(to_schema(cfg, TrainConfig))
+        base = ["+recipe=stories260k_cpu", "data.source=online", "data.limit=3000", f"max_steps={steps}"]
+        base += ["eval_every=0", "save_every=0", "progress=false", f"out_dir={out}"]
+        run(to_schema(compose("train", overrides=[*base, *overrides]), TrainConfig))
     return final
+
+
+@pytest.fixture(scope="session")
+def trained_ckpt(engine_python) -> Path:
+    """A small head trained online on TinyStories conversations (fc bias on, so the export folds it)."""
+    return train_once("head", TRAIN_STEPS, [])
 
 
 @pytest.fixture(scope="session")

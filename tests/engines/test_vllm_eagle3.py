@@ -12,15 +12,12 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from eagle_train.cli import compose
-from eagle_train.config.base import to_schema
 from eagle_train.config.export import ExportConfig
-from eagle_train.config.train import TrainConfig
 from eagle_train.engines.vllm_engine import agreement_problems, check_agreement, speculative_config
 from eagle_train.export import run as export
 from eagle_train.modeling.head_checkpoint import load_head
 from eagle_train.report.results import spec_counts
-from tests.engines.conftest import HEAD_DIM, WORK, fresh_dir, read_json, run_in_vllm
+from tests.engines.conftest import HEAD_DIM, fresh_dir, read_json, run_in_vllm, train_once
 from tests.engines.test_vllm import KS, builtin_chain, record_figures
 
 pytestmark = pytest.mark.engine
@@ -33,22 +30,7 @@ HEAD = ["draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3"]
 def eagle3_ckpt(engine_python):
     """A small EAGLE-3 head trained online on TinyStories conversations (training-time test of 3 steps,
     256-token draft vocabulary); an earlier session's finished head is reused."""
-    from eagle_train.train import run
-
-    out = WORK / "head_eagle3"
-    final = out / "final"
-    config = final / "config.json"
-    if not (config.is_file() and read_json(config)["eagle_train"].get("step") == TRAIN_STEPS):
-        shutil.rmtree(out, ignore_errors=True)
-        overrides = [
-            "+recipe=stories260k_cpu",
-            "data.source=online",
-            "data.limit=3000",
-            f"max_steps={TRAIN_STEPS}",
-        ]
-        overrides += ["eval_every=0", "save_every=0", "progress=false", f"out_dir={out}", *HEAD]
-        run(to_schema(compose("train", overrides=overrides), TrainConfig))
-    return final
+    return train_once("head_eagle3", TRAIN_STEPS, HEAD)
 
 
 @pytest.fixture(scope="session")

@@ -49,8 +49,15 @@ def make_head(target, vocab=VD, fc_norm=False, norm_output=False, seed=0, aux=(1
     """Every trained weight random (norms too), a reduced vocabulary, the target's embedding shared."""
     torch.manual_seed(seed)
     head = Eagle3Head.from_target(target.config, list(aux), vocab, fc_norm, norm_output)
+    randomize(head)
+    head.share_target_weights(target)
+    return head.eval()
+
+
+def randomize(head) -> None:
+    """Every trained weight random (norms near 1) and the draft vocabulary KEPT (or the whole one)."""
     t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[KEPT if vocab == VD else torch.arange(V)] = True
+    t2d[KEPT if head.draft_vocab_size == VD else torch.arange(V)] = True
     head.set_vocabulary(t2d)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -58,8 +65,6 @@ def make_head(target, vocab=VD, fc_norm=False, norm_output=False, seed=0, aux=(1
                 p.copy_(
                     torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0)
                 )
-    head.share_target_weights(target)
-    return head.eval()
 
 
 def outputs(head) -> tuple[torch.Tensor, torch.Tensor]:

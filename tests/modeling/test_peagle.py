@@ -1,0 +1,196 @@
+"""Multi-layer EAGLE-3 heads and P-EAGLE heads: the module, checkpoints, the engine layouts (exact keys and
+config fields vLLM 0.32 reads), the importers (this project's, speculators', SpecForge's, NeMo's) and the
+mask token chosen for training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.interop.test_eagle3_layouts import META, VD, V, randomize
+
+from eagle_train.interop.layouts import export_head, load_draft
+from eagle_train.modeling.eagle3 import Eagle3Head
+from eagle_train.modeling.head_checkpoint import load_head, save_head
+from eagle_train.modeling.peagle import PEagleHead
+from eagle_train.training.heads import choose_mask_token
+
+MASK = 0  # stories260K's <unk>: its tokenizer has no mask token and no unused row
+
+
+def make_head(target, kind: str = "peagle", layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "peagle":
+        head = PEagleHead.from_target(target.config, [1, 2, 4], VD, MASK, target=target, num_layers=layers)
+    else:
+        head = Eagle3Head.from_target(target.config, [1, 2, 4], VD, target=target, num_layers=layers)
+    randomize(head)
+    return head.eval()
+
+
+def inputs(seed: int = 1, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (the mask token among them) and three random target features per position."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (1, length), generator=g)
+    ids[0, -3:] = MASK
+    return ids, torch.randn(1, length, 3 * 64, generator=g)
+
+
+@torch.no_grad()
+def test_layers_after_the_first_are_plain_prenorm_layers_under_vllms_names(target):
+    head = make_head(target, "eagle3", layers=3)
+    keys = set(head.trainable_state_dict())
+    assert {"layers.1.input_layernorm.weight", "layers.2.self_attn.q_proj.weight"} <= keys
+    assert head.layers["1"].self_attn.q_proj.in_features == 64  # d wide, not the midlayer's 2d
+    ids, feats = inputs()
+    one = Eagle3Head.from_target(target.config, [1, 2, 4], VD, target=target)
+    one.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("layers.")})
+    # layer 2 computes x + attn(norm(x)) + mlp(...) on the midlayer's output: not the one-layer head's
+    assert not torch.allclose(head(ids, feats), one(ids, feats))
+    x = one(ids, feats)
+    cos_sin = head.rotary_emb(x, torch.arange(12)[None])
+    for layer in head.layers.values():
+        x = layer(x, cos_sin)
+    torch.testing.assert_close(head(ids, feats), x)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+@torch.no_grad()
+def test_checkpoint_round_trip_keeps_every_layer_and_the_mask(target, tmp_path, kind):
+    head = make_head(target, kind, layers=3)
+    save_head(head, tmp_path / "head", {"target": "stories260k"})
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["eagle_train"]["type"] == kind
+    loaded, _ = load_head(tmp_path / "head", target=target)
+    assert type(loaded) is type(head) and loaded.config.num_hidden_layers == 3
+    ids, feats = inputs()
+    torch.testing.assert_close(loaded(ids, feats), head(ids, feats))
+    if kind == "peagle":
+        assert config["mask_token_id"] == config["pard_token"] == MASK and loaded.mask_token_id == MASK
+        assert set(load_file(str(tmp_path / "head" / "model.safetensors"))) >= {
+            "mask_hidden",
+            "mask_embedding",
+        }
+
+
+@torch.no_grad()
+def test_only_the_mask_tokens_row_is_learned(target):
+    head = make_head(target)
+    ids, _ = inputs()
+    embeds = head.embed(ids)[0]
+    torch.testing.assert_close(embeds[:-3], target.embed_tokens.weight[ids[0, :-3]])
+    assert torch.equal(embeds[-1], head.mask_embedding) and not torch.equal(
+        head.mask_embedding, target.embed_tokens.weight[MASK]
+    )
+    assert not any(p is target.embed_tokens.weight for p in head.parameters())  # the rest stays frozen
+    assert head.mask_hidden.shape == (1, 1, 3 * 64) and head.mask_embedding.shape == (64,)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+@torch.no_grad()
+def test_engine_layouts_carry_what_vllm_loads_for_parallel_drafting(target, tmp_path, fmt):
+    head = make_head(target)
+    out = export_head(head, fmt, tmp_path / fmt, META, speculative_tokens=5)
+    state, config = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    assert state["mask_hidden"].shape == (1, 1, 192) and "mask_embedding" not in state
+    embed = state["embed_tokens.weight"]  # the whole embedding: vLLM keeps its own when it differs
+    assert torch.equal(embed[MASK], head.mask_embedding) and torch.equal(
+        embed[3:], target.embed_tokens.weight[3:]
+    )
+    first = "midlayer." if fmt == "vllm" else "layers.0."
+    assert f"{first}hidden_norm.weight" in state and "layers.1.self_attn.q_proj.weight" in state
+    assert state["layers.1.self_attn.q_proj.weight"].shape == (64, 64)
+    if fmt == "vllm":  # route B: an EAGLE-3 directory with vLLM's pard_token (mask_token_id read first)
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 2
+        assert config["pard_token"] == config["mask_token_id"] == MASK
+    else:  # route A: vLLM maps peagle to eagle3 + parallel_drafting, mask_token_id to pard_token
+        assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == MASK
+        assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+        assert config["norm_before_residual"] is False
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    loaded = load_draft(out, target)
+    ids, feats = inputs()
+    assert isinstance(loaded, PEagleHead) and loaded.mask_token_id == MASK
+    torch.testing.assert_close(loaded(ids, feats), head(ids, feats))
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "eagle"])
+@pytest.mark.parametrize("kind, layers", [("eagle3", 2), ("peagle", 1)])
+def test_layouts_that_would_run_another_function_are_refused(target, tmp_path, fmt, kind, layers):
+    head = make_head(target, kind, layers=layers)
+    with pytest.raises(ValueError, match=f"format={fmt}: .*export with format=vllm or format=speculators"):
+        export_head(head, fmt, tmp_path / fmt, META, embed_tokens=target.embed_tokens.weight)
+    assert not (tmp_path / fmt).exists()
+
+
+def specforge_layout(head, target, path, mask_in_config: bool) -> None:
+    """SpecForge's P-EAGLE export as its `PEagleDraftModel` saves it: `layers.0.*` for the first layer,
+    its whole (trained) embedding, config.json without a mask token."""
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in head.trainable_state_dict().items()}
+    state.pop("mask_embedding")
+    state["embed_tokens.weight"] = head.serving_embedding()
+    state["embed_tokens.weight"][5] += 1.0  # SpecForge trains every row: the file's, not the target's
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    config = {**target.config.to_dict(), "architectures": ["PEagleDraftModel"], "num_hidden_layers": 2,
+              "draft_vocab_size": VD, "eagle_aux_hidden_state_layer_ids": [1, 2, 4]}  # fmt: skip
+    if mask_in_config:
+        config["mask_token_id"] = MASK
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@torch.no_grad()
+def test_a_specforge_head_without_its_mask_token_asks_for_it(target, tmp_path):
+    head = make_head(target)
+    specforge_layout(head, target, tmp_path / "specforge", mask_in_config=False)
+    with pytest.raises(ValueError, match="names no mask token .*draft.mask_token_id=N"):
+        load_draft(tmp_path / "specforge", target)
+    loaded = load_draft(tmp_path / "specforge", target, mask_token_id=MASK)
+    ids, feats = inputs()
+    ids[0, 0] = 5
+    reference = head(ids, feats)  # differs from the file's at token 5 only
+    assert not torch.allclose(loaded(ids, feats), reference)
+    ids[0, 0] = 6
+    torch.testing.assert_close(loaded(ids, feats), head(ids, feats))
+    with pytest.raises(ValueError, match="records mask token 0, not the given 3"):
+        specforge_layout(head, target, tmp_path / "named", mask_in_config=True)
+        load_draft(tmp_path / "named", target, mask_token_id=3)
+
+
+@torch.no_grad()
+def test_a_nemo_head_with_model_prefixes_loads(target, tmp_path):
+    head = make_head(target, layers=1)
+    state = {
+        f"model.{k.replace('midlayer.', 'layers.0.')}": v for k, v in head.trainable_state_dict().items()
+    }
+    state["lm_head.weight"] = state.pop("model.lm_head.weight")
+    del state["model.mask_embedding"]
+    state["model.embed_tokens.weight"] = head.serving_embedding()
+    (tmp_path / "nemo").mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "nemo" / "model.safetensors"))
+    config = {**target.config.to_dict(), "architectures": ["LlamaPEagleDraftModel"], "draft_vocab_size": VD,
+              "mask_token_id": MASK, "parallel_drafting": True, "eagle_aux_hidden_state_layer_ids": [1, 2, 4]}  # fmt: skip
+    (tmp_path / "nemo" / "config.json").write_text(json.dumps(config))
+    loaded = load_draft(tmp_path / "nemo", target)
+    ids, feats = inputs()
+    assert isinstance(loaded, PEagleHead) and loaded.config.num_hidden_layers == 1
+    torch.testing.assert_close(loaded(ids, feats), head(ids, feats))
+
+
+def test_the_mask_token_is_one_the_data_never_holds(target):
+    tok, unused = target.tokenizer, torch.zeros(V, dtype=torch.bool)
+    assert choose_mask_token(tok, V, [1], unused) == (0, "the unknown token")
+    held = unused.clone()
+    held[0] = True  # <unk> occurs in the data: no other candidate (no mask token, no free row)
+    with pytest.raises(
+        ValueError, match=r"tried: 0 \(the unknown token: in the training data\).*draft.mask_token_id"
+    ):
+        choose_mask_token(tok, V, [1], held)
+    # a vocabulary padded past the tokenizer: the first free row comes before <unk>
+    assert choose_mask_token(tok, V + 8, [1], torch.zeros(V + 8, dtype=torch.bool))[0] == V
+    assert choose_mask_token(tok, V, [1], held, explicit=7) == (7, "draft.mask_token_id")
+    for bad, why in ((0, "in the training data"), (1, "stop token"), (2, "stop token"), (V, "outside")):
+        with pytest.raises(ValueError, match=f"draft.mask_token_id={bad} cannot be .*{why}"):
+            choose_mask_token(tok, V, [1], held, explicit=bad)
