@@ -130,7 +130,9 @@ def calibrate(
     candidates: dict[int, list[int]] = {}
     static = shape_from_paths(static_paths) if static_paths else None
     inputs = max(max_depth * max_k, static.size if static else 0)
-    drafter = Drafter(head, capacity, inputs, GenerationStats(), lean, parallel_slots(head, max_depth + 1))
+    drafter = Drafter(
+        head, capacity, inputs, GenerationStats(), lean, parallel=parallel_slots(head, max_depth + 1)
+    )
     plan = plan_static(static, device) if static else None
     static_match: list[torch.Tensor] = []
     spans, start = [], 0

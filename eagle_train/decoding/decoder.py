@@ -166,8 +166,10 @@ class SpeculativeDecoder:
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
             self._expand = self._expand_dynamic
             self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
-        depth = self.shape.max_depth if cfg.method in ("chain", "eagle1") else cfg.depth + 1
-        self.parallel = parallel_slots(head, depth if cfg.speculative else 0)  # P-EAGLE's per draft forward
+        depth = 0  # ar: no draft forward
+        if cfg.speculative:
+            depth = self.shape.max_depth if cfg.method in ("chain", "eagle1") else cfg.depth + 1
+        self.parallel = parallel_slots(head, depth)  # P-EAGLE's placeholders per draft forward
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
 
     @property
@@ -345,8 +347,8 @@ class SpeculativeDecoder:
                 self.tree_inputs,
                 self.stats,
                 self.cfg.lean_draft,
-                self.timer,
-                self.parallel,
+                timer=self.timer,
+                parallel=self.parallel,
             )
         else:
             self._drafter.reset(self.capacity, self.stats, self.timer)

@@ -39,6 +39,7 @@ class Drafter:
         max_tree_inputs: int,
         stats: GenerationStats,
         lean: bool = True,
+        *,
         timer: PhaseTimer | None = None,
         parallel: int = 0,
     ):

@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.interop.test_eagle3_layouts import META, VD, V, randomize
 
 from eagle_train.interop.layouts import export_head, load_draft
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import load_head, save_head
 from eagle_train.modeling.peagle import PEagleHead
 from eagle_train.training.heads import choose_mask_token
+from tests.interop.test_eagle3_layouts import META, VD, V, randomize
 
 MASK = 0  # stories260K's <unk>: its tokenizer has no mask token and no unused row
 
