@@ -101,7 +101,10 @@ FAMILIES: dict[str, Family] = {
             dict(tie_word_embeddings=False, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
                  head_dim=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, n_group=1,
-                 topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
+                 topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                 # the published config's routing keys: transformers routes this way always, vLLM only
+                 # when the config says so (without them it drops the router's correction bias and fails)
+                 topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True),
             switches="MLA (q/kv LoRA ranks 32, q/k heads 32 = rope 16 + nope 16, v 32), MoE with a shared expert",
         ),
         Family(
