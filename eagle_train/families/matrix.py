@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -175,7 +176,7 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False, cache: P
     """Every stage of family `name`; the result (also WORK/NAME/result.json). The model is built (or found)
     under CACHE/models (`cache`, default runtime.atomic_files.cache_dir). A stage that finished for the same
     model key, settings and package sources is not run again (a later call with vllm=True runs only vLLM's
-    part)."""
+    part); a result for another key, settings or sources is removed with its stage outputs."""
     work = work or default_work(cache)
     fam, key = work / name, cache_key(FAMILIES[name], BuildSettings())
     done = fam / "result.json"
@@ -185,6 +186,8 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False, cache: P
         old = json.loads(done.read_text())
         if all(old.get(k) == result[k] for k in ("key", "settings", "code")):
             result = old
+        else:  # another model, settings or code: its stage outputs would be refused (or mixed); start over
+            shutil.rmtree(fam)
     fam.mkdir(parents=True, exist_ok=True)
     prompts, questions = write_inputs(work)
     start = time.perf_counter() - result.get("total_wall_s", 0.0)
