@@ -105,3 +105,59 @@ def matrix_markdown(results: list[dict]) -> str:
         costs.append(f"| {r['family']} | {made} | " + " | ".join(_costs(r)) + " |")
     note = "Costs (seconds, wall / CPU time of the stages' processes; build + shape: the builder's own timing, wall)"
     return "\n".join(lines) + f"\n\n{note}:\n\n" + "\n".join(costs)
+
+
+def _short(res: dict | None, refused: str = "refused") -> str:
+    """A compact verdict: ok, refused (UnsupportedAttention), not served (vLLM's EAGLE-3 interface), FAILED."""
+    if res is None:
+        return "-"
+    if res.get("ok"):
+        return "ok"
+    error = res.get("error", "")
+    if "UnsupportedAttention" in error:
+        return refused
+    if "does not support EAGLE3" in error:
+        return "not served by vLLM"
+    return "FAILED"
+
+
+def _identity(res: dict | None) -> str:
+    """The fewest answers any method gave identical to the model's own generate, as same/of."""
+    if not (res or {}).get("ok"):
+        return _short(res)
+    ident = res["identity"]
+    pairs = [(ident[m]["hf"]["same"], ident[m]["hf"]["of"]) for m in ("ar", "chain", "eagle1", "eagle2")]
+    same, of = min(pairs)
+    return f"{same}/{of}"
+
+
+def _vllm(res: dict | None) -> str:
+    if not (res or {}).get("ok"):
+        return _short(res, refused="-")
+    rows = {r["engine"]: r for r in res.get("engines", [])}
+    theirs = next((r for e, r in rows.items() if e != "builtin"), {})
+    equal = theirs.get("counts") == rows.get("builtin", {}).get("counts")
+    hf = min((a, b) for a, b in (res.get("vs_hf") or {"-": (0, 0)}).values())
+    return f"{'equal' if equal else 'DIFFER'}, = generate {hf[0]}/{hf[1]}"
+
+
+def summary_markdown(results: list[dict]) -> str:
+    """The README's table: one row per family, EAGLE-1 / EAGLE-3 in each cell."""
+    lines = [
+        "| family | extract, train, export | greedy = `generate` (every method) | EAGLE-2 tau | vLLM counters "
+        "= built-in, vLLM = `generate` |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        stages = [r.get(k) for k in ("extract", "eagle1", "eagle3") if k in r] + [
+            v for k, v in r.items() if k.startswith("export_")
+        ]
+        built = "ok" if r.get("build", {}).get("ok") and all((s or {}).get("ok") for s in stages) else "FAILED"
+        evals = [r.get(f"eval_{h}") for h in ("eagle1", "eagle3")]
+        tau = [str(e["tau"].get("eagle2", "-")) if (e or {}).get("ok") else "-" for e in evals]
+        vllm = [_vllm(r.get(f"vllm_{h}")) for h in ("eagle1", "eagle3")]
+        lines.append(
+            f"| {r['family']} | {built} | {' / '.join(_identity(e) for e in evals)} | {' / '.join(tau)} "
+            f"| {' / '.join(vllm)} |"
+        )
+    return "\n".join(lines)
