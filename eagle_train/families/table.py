@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from eagle_train.families.specs import NOT_SERVED
+
 
 def _cell_error(res: dict | None) -> str | None:
     if res is None:
@@ -116,7 +118,7 @@ def _short(res: dict | None, refused: str = "refused") -> str:
     error = res.get("error", "")
     if "UnsupportedAttention" in error:
         return refused
-    if "does not support EAGLE3" in error:
+    if any(words in error for words in NOT_SERVED.values()):
         return "not served by vLLM"
     return "FAILED"
 
@@ -152,7 +154,9 @@ def summary_markdown(results: list[dict]) -> str:
         stages = [r.get(k) for k in ("extract", "eagle1", "eagle3") if k in r] + [
             v for k, v in r.items() if k.startswith("export_")
         ]
-        built = "ok" if r.get("build", {}).get("ok") and all((s or {}).get("ok") for s in stages) else "FAILED"
+        built = (
+            "ok" if r.get("build", {}).get("ok") and all((s or {}).get("ok") for s in stages) else "FAILED"
+        )
         evals = [r.get(f"eval_{h}") for h in ("eagle1", "eagle3")]
         tau = [str(e["tau"].get("eagle2", "-")) if (e or {}).get("ok") else "-" for e in evals]
         vllm = [_vllm(r.get(f"vllm_{h}")) for h in ("eagle1", "eagle3")]

