@@ -64,10 +64,10 @@ def exports(trained_ckpt) -> dict:
     """The trained head as vLLM gets it (format=vllm, head_dim 32, fc bias folded) and broken copies."""
     root = fresh_dir("exports")
     folded = export(
-        ExportConfig(ckpt=str(trained_ckpt), format="vllm", out=str(root / "vllm"), head_dim=HEAD_DIM)
+        ExportConfig(ckpt=str(trained_ckpt), format="vllm", out_dir=str(root / "vllm"), head_dim=HEAD_DIM)
     )
     sglang = export(
-        ExportConfig(ckpt=str(trained_ckpt), format="sglang", out=str(root / "sglang"), head_dim=HEAD_DIM)
+        ExportConfig(ckpt=str(trained_ckpt), format="sglang", out_dir=str(root / "sglang"), head_dim=HEAD_DIM)
     )
     unfolded = shutil.copytree(sglang, root / "vllm_unfolded")  # fc.bias left in, as a vLLM config
     config = read_json(unfolded / "config.json")

@@ -46,11 +46,11 @@ def eagle3_exports(eagle3_ckpt) -> dict:
     config.json, d2t replaced by the identity."""
     root = fresh_dir("exports_eagle3")
     vllm = export(
-        ExportConfig(ckpt=str(eagle3_ckpt), format="vllm", out=str(root / "vllm"), head_dim=HEAD_DIM)
+        ExportConfig(ckpt=str(eagle3_ckpt), format="vllm", out_dir=str(root / "vllm"), head_dim=HEAD_DIM)
     )
     speculators = export(
         ExportConfig(
-            ckpt=str(eagle3_ckpt), format="speculators", out=str(root / "speculators"), head_dim=HEAD_DIM
+            ckpt=str(eagle3_ckpt), format="speculators", out_dir=str(root / "speculators"), head_dim=HEAD_DIM
         )
     )
     layers = shutil.copytree(vllm, root / "other_layers")

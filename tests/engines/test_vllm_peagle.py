@@ -50,11 +50,11 @@ def peagle_exports(peagle_ckpt) -> dict:
     speculators_model_type peagle) at head_dim 32, and the controls."""
     root = fresh_dir("exports_peagle")
     vllm = export(
-        ExportConfig(ckpt=str(peagle_ckpt), format="vllm", out=str(root / "vllm"), head_dim=HEAD_DIM)
+        ExportConfig(ckpt=str(peagle_ckpt), format="vllm", out_dir=str(root / "vllm"), head_dim=HEAD_DIM)
     )
     speculators = export(
         ExportConfig(
-            ckpt=str(peagle_ckpt), format="speculators", out=str(root / "speculators"), head_dim=HEAD_DIM
+            ckpt=str(peagle_ckpt), format="speculators", out_dir=str(root / "speculators"), head_dim=HEAD_DIM
         )
     )
     zeroed = shutil.copytree(vllm, root / "zero_mask_hidden")

@@ -147,7 +147,7 @@ def test_running_servers_are_used_as_they_are(
 
     out = fresh_dir("serving_urls")
     head = export(
-        ExportConfig(ckpt=str(trained_ckpt), format="vllm", out=str(out / "head"), head_dim=HEAD_DIM)
+        ExportConfig(ckpt=str(trained_ckpt), format="vllm", out_dir=str(out / "head"), head_dim=HEAD_DIM)
     )
     port = free_port()
     cmd = serve_command(

@@ -259,7 +259,7 @@ def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(
     data[-40] ^= 0x01
     (step / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"step/model.safetensors: its sha256 differs"):
-        export(ExportConfig(ckpt=str(step), out=str(tmp_path / "out")))
+        export(ExportConfig(ckpt=str(step), out_dir=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
 
 
