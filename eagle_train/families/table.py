@@ -37,7 +37,8 @@ def vllm_cell(res: dict | None) -> str:
     """vLLM's tau and counters against the built-in chain decoder; greedy with and without speculation."""
     error = _cell_error(res)
     if error:
-        return error
+        served = _short(res) != "not served by vLLM"
+        return error if served else error.replace("FAILED:", "not served by vLLM 0.32 on this CPU:", 1)
     rows = {r["engine"]: r for r in res.get("engines", [])}
     theirs = next((r for e, r in rows.items() if e != "builtin"), None)
     if theirs is None:
@@ -110,7 +111,8 @@ def matrix_markdown(results: list[dict]) -> str:
 
 
 def _short(res: dict | None, refused: str = "refused") -> str:
-    """A compact verdict: ok, refused (UnsupportedAttention), not served (vLLM's EAGLE-3 interface), FAILED."""
+    """A compact verdict: ok, refused (UnsupportedAttention), not served (an error specs.NOT_SERVED records),
+    FAILED."""
     if res is None:
         return "-"
     if res.get("ok"):
@@ -139,8 +141,9 @@ def _vllm(res: dict | None) -> str:
     rows = {r["engine"]: r for r in res.get("engines", [])}
     theirs = next((r for e, r in rows.items() if e != "builtin"), {})
     equal = theirs.get("counts") == rows.get("builtin", {}).get("counts")
-    hf = min((a, b) for a, b in (res.get("vs_hf") or {"-": (0, 0)}).values())
-    return f"{'equal' if equal else 'DIFFER'}, = generate {hf[0]}/{hf[1]}"
+    vs_hf = [tuple(pair) for pair in (res.get("vs_hf") or {}).values()]
+    hf = "{}/{}".format(*min(vs_hf)) if vs_hf else "not compared"
+    return f"{'equal' if equal else 'DIFFER'}, = generate {hf}"
 
 
 def summary_markdown(results: list[dict]) -> str:

@@ -84,3 +84,7 @@ def test_the_full_matrix_names_the_first_differing_token_and_the_error():
     table = matrix_markdown([result("x", eval_eagle1=bad, eval_eagle3={"ok": False, "error": "a | b"})])
     assert "chain = hf 2/4 (first differing answer token: 7, 9)" in table
     assert "FAILED: a / b" in table
+    served = matrix_markdown(
+        [result("g", vllm_eagle3={"ok": False, "error": "Model does not support EAGLE3 interface"})]
+    )
+    assert "not served by vLLM 0.32 on this CPU: Model does not support EAGLE3" in served
