@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from eagle_train.families.specs import NOT_SERVED
 
+METHODS = ("ar", "chain", "eagle1", "eagle2")  # the built-in methods whose greedy identity the tables count
+
+
+def _not_served(res: dict) -> bool:
+    """The run failed with an error that specs.NOT_SERVED records for what vLLM's CPU build cannot serve."""
+    return any(words in res.get("error", "") for words in NOT_SERVED.values())
+
 
 def _cell_error(res: dict | None) -> str | None:
     if res is None:
@@ -22,7 +29,7 @@ def decoder_cell(res: dict | None) -> str:
     parts = [
         f"tau chain {tau.get('chain', '-')} / eagle1 {tau.get('eagle1', '-')} / eagle2 {tau.get('eagle2', '-')}"
     ]
-    for method in ("ar", "chain", "eagle1", "eagle2"):
+    for method in METHODS:
         hf, ar = ident[method]["hf"], ident[method]["ar"]
         diff = ident[method]["hf"]["first_diff"]
         note = f" (first differing answer token: {', '.join(map(str, diff))})" if diff else ""
@@ -37,8 +44,9 @@ def vllm_cell(res: dict | None) -> str:
     """vLLM's tau and counters against the built-in chain decoder; greedy with and without speculation."""
     error = _cell_error(res)
     if error:
-        served = _short(res) != "not served by vLLM"
-        return error if served else error.replace("FAILED:", "not served by vLLM 0.32 on this CPU:", 1)
+        return (
+            error.replace("FAILED:", "not served by vLLM 0.32 on this CPU:", 1) if _not_served(res) else error
+        )
     rows = {r["engine"]: r for r in res.get("engines", [])}
     theirs = next((r for e, r in rows.items() if e != "builtin"), None)
     if theirs is None:
@@ -117,10 +125,9 @@ def _short(res: dict | None, refused: str = "refused") -> str:
         return "-"
     if res.get("ok"):
         return "ok"
-    error = res.get("error", "")
-    if "UnsupportedAttention" in error:
+    if "UnsupportedAttention" in res.get("error", ""):
         return refused
-    if any(words in error for words in NOT_SERVED.values()):
+    if _not_served(res):
         return "not served by vLLM"
     return "FAILED"
 
@@ -130,7 +137,7 @@ def _identity(res: dict | None) -> str:
     if not (res or {}).get("ok"):
         return _short(res)
     ident = res["identity"]
-    pairs = [(ident[m]["hf"]["same"], ident[m]["hf"]["of"]) for m in ("ar", "chain", "eagle1", "eagle2")]
+    pairs = [(ident[m]["hf"]["same"], ident[m]["hf"]["of"]) for m in METHODS]
     same, of = min(pairs)
     return f"{same}/{of}"
 
