@@ -52,8 +52,11 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle3_ttt3": ["draft.type=eagle3", "loss.ttt_steps=3"],
     "eagle3_ttt2": ["draft.type=eagle3", "loss.ttt_steps=2"],
     "eagle3_vocab256": ["draft.type=eagle3", "draft.vocab_size=256"],
+    "eagle3_2l": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.num_layers=2"],  # drafted serially
+    "eagle3_4l": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.num_layers=4"],
     "peagle": ["draft.type=peagle"],  # P-EAGLE: COD over 8 depths (r 0.8, r_min 0.2), one layer
     "peagle_2l": ["draft.type=peagle", "draft.num_layers=2"],  # vLLM's benchmark heads have 2 layers
+    "peagle_4l": ["draft.type=peagle", "draft.num_layers=4"],  # the published P-EAGLE heads have 4 layers
     "peagle_k4": ["draft.type=peagle", "loss.cod.num_depths=4"],  # COD over the depths a chain reaches here
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree

@@ -1,4 +1,4 @@
-"""One chi-square goodness-of-fit for the lossless-sampling tests.
+"""One chi-square goodness-of-fit for the lossless-sampling tests, and the target's exact joint it tests against.
 
 Observed counts against exact probabilities: the cells expected fewer than `min_expected` times are
 pooled with whatever mass the listed cells do not cover (and with any sample outside them), the test's
@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from scipy.stats import chisquare
+
+from eagle_train.decoding.verify import process_logits
 
 
 def chi_square_p(
@@ -32,3 +35,26 @@ def chi_square_p(
         cells_expected.append(max(pooled_expected, 1e-9))
     scaled = np.asarray(cells_expected) * (total / sum(cells_expected))
     return float(chisquare(cells_observed, scaled).pvalue)
+
+
+@torch.no_grad()
+def exact_joint(target, prompt: list[int], top_k: int, tokens: int) -> dict[tuple[int, ...], float]:
+    """The target's probability of every continuation of at most `tokens` tokens (top-k at T=1), by plain
+    cache-free forwards: a continuation ends early at a stop token, as `generate` does."""
+    stops, joint, done = set(target.stop_token_ids), {(): 1.0}, {}
+    for _ in range(tokens):
+        nxt = {}
+        for ctx, p in joint.items():
+            logits, _ = target.features(torch.tensor([prompt + list(ctx)]))
+            q = process_logits(logits[0, -1], 1.0, 1.0, top_k).double()
+            for t in torch.nonzero(q).flatten().tolist():
+                (done if t in stops else nxt)[(*ctx, t)] = p * float(q[t])
+        joint = nxt
+    return {**done, **joint}
+
+
+def sequence_chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float]) -> float:
+    """p-value of the sequence counts under the exact joint (a sampled sequence outside it fails)."""
+    cells = list(joint)
+    observed = [counts.get(seq, 0) for seq in cells] + [sum(n for s, n in counts.items() if s not in joint)]
+    return chi_square_p(observed, [joint[seq] for seq in cells] + [0.0])

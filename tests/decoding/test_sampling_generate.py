@@ -7,7 +7,6 @@ child out of p fails the same test (the control). Fixed seeds: deterministic."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
@@ -15,8 +14,8 @@ import torch
 
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.verify import process_logits
-from tests.chi_square import chi_square_p
+from tests.chi_square import exact_joint as exact_joint_of
+from tests.chi_square import sequence_chi_square_p
 from tests.decoding.test_decoder import prompts
 
 pytestmark = pytest.mark.slow
@@ -35,22 +34,7 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def exact_joint(target) -> dict[tuple[int, ...], float]:
     """The target's probability of every 3-token continuation of the prompt (top-k 3 at T=1)."""
-    prompt = prompts(target, 1)[0]
-
-    @torch.no_grad()
-    def p_next(ctx: tuple[int, ...]) -> torch.Tensor:
-        logits, _ = target.features(torch.tensor([prompt + list(ctx)]))
-        return process_logits(logits[0, -1], 1.0, 1.0, TOP_K).double()
-
-    joint = {(): 1.0}
-    for _ in range(TOKENS):
-        joint = {
-            (*ctx, t): p * float(q[t])
-            for ctx, p in joint.items()
-            for q in [p_next(ctx)]
-            for t in torch.nonzero(q).flatten().tolist()
-        }
-    return joint
+    return exact_joint_of(target, prompts(target, 1)[0], TOP_K, TOKENS)
 
 
 def sample_counts(target, head, cfg: DecodeConfig) -> dict[tuple[int, ...], int]:
@@ -63,13 +47,6 @@ def sample_counts(target, head, cfg: DecodeConfig) -> dict[tuple[int, ...], int]
         tokens = tuple(decoder.generate(prompt).tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
     return counts
-
-
-def sequence_chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float]) -> float:
-    """p-value of the sequence counts under the exact joint (a sampled sequence outside it fails)."""
-    cells = list(joint)
-    observed = [counts.get(seq, 0) for seq in cells] + [sum(n for s, n in counts.items() if s not in joint)]
-    return chi_square_p(observed, [joint[seq] for seq in cells] + [0.0])
 
 
 @pytest.mark.parametrize("name", ["chain", "chain_sampled", "eagle2"])
@@ -112,7 +89,10 @@ def test_the_end_to_end_test_rejects_a_verifier_that_keeps_rejected_children(
     assert sequence_chi_square_p(counts, exact_joint) < 1e-3
 
 
-def test_the_joint_is_a_distribution(exact_joint):
+def test_the_joint_is_a_distribution(target, exact_joint):
+    """Every continuation is TOKENS tokens or ends early at a stop token; the probabilities sum to 1."""
+    stops = set(target.stop_token_ids)
     assert sum(exact_joint.values()) == pytest.approx(1.0)
-    assert len(exact_joint) == TOP_K**TOKENS
-    assert all(len(seq) == TOKENS for seq in itertools.islice(exact_joint, 5))
+    assert all(len(seq) == TOKENS or seq[-1] in stops for seq in exact_joint)
+    assert all(t not in stops for seq in exact_joint for t in seq[:-1])
+    assert len([seq for seq in exact_joint if len(seq) == TOKENS]) > TOP_K ** (TOKENS - 1)

@@ -13,21 +13,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
-import torch
 
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.target import TargetConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.decoding.verify import process_logits
 from eagle_train.families.matrix import QUESTIONS, default_work, run_family
 from eagle_train.families.specs import FAMILIES, WINDOW
 from eagle_train.families.tiny import model_dir
 from eagle_train.families.tokenizers import TokenizerUnavailable
 from eagle_train.interop.layouts import load_draft
 from eagle_train.modeling.target import load_target
+from tests.chi_square import exact_joint, sequence_chi_square_p
 from tests.conftest import USER_CACHE
-from tests.decoding.test_sampling_generate import sequence_chi_square_p
 
 pytestmark = pytest.mark.slow
 SPECULATIVE = ("chain", "eagle1", "eagle2")
@@ -99,7 +97,7 @@ def test_sampling_is_lossless(name, matrix_work):
     joint = exact_joint(target, prompt, top_k=3, tokens=3)
     cfg = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16)
     decoder = SpeculativeDecoder(
-        target, head, replace(cfg, temperature=1.0, top_k_sampling=3, max_new_tokens=3)
+        target, head, replace(cfg, temperature=1.0, top_k_sampling=3, max_new_tokens=3, seed=11)
     )
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(600):
@@ -107,20 +105,6 @@ def test_sampling_is_lossless(name, matrix_work):
         counts[tokens] = counts.get(tokens, 0) + 1
     assert all(seq in joint for seq in counts)
     assert sequence_chi_square_p(counts, joint) > 1e-3
-
-
-@torch.no_grad()
-def exact_joint(target, prompt: list[int], top_k: int, tokens: int) -> dict[tuple[int, ...], float]:
-    """The target's probability of every `tokens`-token continuation (top-k at T=1), by plain forwards."""
-    joint = {(): 1.0}
-    for _ in range(tokens):
-        nxt = {}
-        for ctx, p in joint.items():
-            logits, _ = target.features(torch.tensor([prompt + list(ctx)]))
-            q = process_logits(logits[0, -1], 1.0, 1.0, top_k).double()
-            nxt.update({(*ctx, t): p * float(q[t]) for t in torch.nonzero(q).flatten().tolist()})
-        joint = nxt
-    return joint
 
 
 def test_tokenizer_errors_skip(monkeypatch):
