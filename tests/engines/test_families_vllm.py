@@ -6,14 +6,18 @@ words of vLLM's own error (the export is then checked against vLLM's loader sour
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from eagle_train.families.matrix import QUESTIONS, default_work, run_family
 from eagle_train.families.specs import FAMILIES, NOT_SERVED
 from tests.conftest import USER_CACHE
-from tests.families.test_matrix import NAMES
+from tests.families.test_matrix import JOBS, NAMES
 
 pytestmark = pytest.mark.engine
+SERVED = [n for n in NAMES if not FAMILIES[n].refused]
+_RESULTS: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +26,20 @@ def work():
     return default_work(USER_CACHE)
 
 
+def vllm_result(name: str, work) -> dict:
+    """The family's matrix result with its vLLM part; the first call runs every family, JOBS at a time (each
+    vLLM run is one thread: two families side by side use the two cores), once per session."""
+    if name not in _RESULTS:
+        with ThreadPoolExecutor(JOBS) as pool:
+            runs = pool.map(lambda n: run_family(n, work, vllm=True, cache=USER_CACHE), SERVED)
+            _RESULTS.update(zip(SERVED, runs, strict=True))
+    return _RESULTS[name]
+
+
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("name", [n for n in NAMES if not FAMILIES[n].refused])
+@pytest.mark.parametrize("name", SERVED)
 def test_vllm_agrees_with_the_builtin_decoder(name, head, work, engine_python):
-    result = run_family(name, work, vllm=True, cache=USER_CACHE)
+    result = vllm_result(name, work)
     if not result["build"]["ok"] and "TokenizerUnavailable" in result["build"]["error"]:
         pytest.skip(result["build"]["error"])
     run = result[f"vllm_{head}"]
