@@ -43,7 +43,7 @@ test: setup ## Run every test that needs no GPU (slow end-to-end ones too; engin
 test-fast: setup ## Quick tier: unit tests only (skips `slow`)
 	$(PY) -m pytest -q -m "not gpu and not slow and not engine" $(ARGS)
 
-test-engines: setup vllm-env ## A real vLLM runs exported heads and must agree with the built-in decoder (~7 min; fresh clone ~18)
+test-engines: setup vllm-env ## A real vLLM runs exported heads and must agree with the built-in decoder (about 20 min on 2 cores)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -rA -m engine tests/engines $(ARGS)
 
 lint: setup ## ruff check and ruff format --check over the package, scripts and tests
