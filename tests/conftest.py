@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eagle_train.config.base import CONF_DIR, DATA_DIR
+from eagle_train.families.matrix import default_work
 from eagle_train.runtime.atomic_files import cache_dir
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -122,6 +123,14 @@ def reseal(store: Path, index: int) -> None:
 # points the environment elsewhere: the family tests keep their npm tokenizers, built models and finished
 # matrix stages there, outside git, from one session (and one `make` target) to the next
 USER_CACHE = cache_dir()
+
+
+@pytest.fixture(scope="session")
+def matrix_work():
+    """The family matrix's work directory beside the built models ($EAGLE_TRAIN_CACHE/matrix): a stage that
+    finished for the same model and settings is reused (by the families' slow and engine tests, and the next
+    session too)."""
+    return default_work(USER_CACHE)
 
 
 @pytest.fixture(scope="session", autouse=True)

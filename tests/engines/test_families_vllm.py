@@ -6,42 +6,20 @@ words of vLLM's own error (the export is then checked against vLLM's loader sour
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from eagle_train.families.matrix import QUESTIONS, default_work, run_family
+from eagle_train.families.matrix import QUESTIONS
 from eagle_train.families.specs import FAMILIES, NOT_SERVED
-from tests.conftest import USER_CACHE
-from tests.families.test_matrix import JOBS, NAMES
+from tests.families.test_matrix import NAMES, family_result
 
 pytestmark = pytest.mark.engine
 SERVED = [n for n in NAMES if not FAMILIES[n].refused]
-_RESULTS: dict[str, dict] = {}
-
-
-@pytest.fixture(scope="module")
-def work():
-    """Shared with tests/families/test_matrix.py: the built-in stages a slow run finished are reused."""
-    return default_work(USER_CACHE)
-
-
-def vllm_result(name: str, work) -> dict:
-    """The family's matrix result with its vLLM part; the first call runs every family, JOBS at a time (each
-    vLLM run is one thread: two families side by side use the two cores), once per session."""
-    if name not in _RESULTS:
-        with ThreadPoolExecutor(JOBS) as pool:
-            runs = pool.map(lambda n: run_family(n, work, vllm=True, cache=USER_CACHE), SERVED)
-            _RESULTS.update(zip(SERVED, runs, strict=True))
-    return _RESULTS[name]
 
 
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("name", SERVED)
-def test_vllm_agrees_with_the_builtin_decoder(name, head, work, engine_python):
-    result = vllm_result(name, work)
-    if not result["build"]["ok"] and "TokenizerUnavailable" in result["build"]["error"]:
-        pytest.skip(result["build"]["error"])
+def test_vllm_agrees_with_the_builtin_decoder(name, head, matrix_work, engine_python):
+    result = family_result(name, matrix_work, vllm=True)
     run = result[f"vllm_{head}"]
     if (name, head) in NOT_SERVED:
         assert not run["ok"] and NOT_SERVED[name, head] in run["error"]

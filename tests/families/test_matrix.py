@@ -18,7 +18,7 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.target import TargetConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.families.matrix import QUESTIONS, default_work, run_family
+from eagle_train.families.matrix import QUESTIONS, run_family
 from eagle_train.families.specs import FAMILIES, WINDOW
 from eagle_train.families.tiny import model_dir
 from eagle_train.families.tokenizers import TokenizerUnavailable
@@ -33,25 +33,19 @@ JOBS = 2
 RUNS = 400  # seeded generations per family: about 0.13 s each at a 151k vocabulary (LM heads), 1 thread
 # EAGLE_TRAIN_FAMILIES=llama3,gemma3 runs only those (default: every family)
 NAMES = [n for n in os.environ.get("EAGLE_TRAIN_FAMILIES", ",".join(FAMILIES)).split(",") if n in FAMILIES]
-_RESULTS: dict[str, dict] = {}
+_RESULTS: dict[tuple[str, bool], dict] = {}  # (family, with vLLM) -> its matrix result
 
 
-@pytest.fixture(scope="session")
-def matrix_work():
-    """The matrix's work directory beside the built models ($EAGLE_TRAIN_CACHE/matrix): a stage that finished
-    for the same model and settings is reused (by the engine tests and the next session too)."""
-    return default_work(USER_CACHE)
-
-
-def family_result(name: str, work) -> dict:
-    """The family's matrix result; the first call runs every family, two at a time (the 2 cores: each stage
-    is one thread), once per session (the tokenizer fetch skips with its reason)."""
-    if name not in _RESULTS:
+def family_result(name: str, work, vllm: bool = False) -> dict:
+    """The family's matrix result (`vllm`: with its vLLM part, tests/engines/test_families_vllm.py); the
+    first call runs every family (`vllm`: every one the decoder does not refuse), two at a time (the 2 cores:
+    each stage and each vLLM run is one thread), once per session (the tokenizer fetch skips with its reason)."""
+    if (name, vllm) not in _RESULTS:
+        names = [n for n in NAMES if not (vllm and FAMILIES[n].refused)]
         with ThreadPoolExecutor(JOBS) as pool:
-            _RESULTS.update(
-                zip(NAMES, pool.map(lambda n: run_family(n, work, cache=USER_CACHE), NAMES), strict=True)
-            )
-    result = _RESULTS[name]
+            runs = pool.map(lambda n: run_family(n, work, vllm=vllm, cache=USER_CACHE), names)
+            _RESULTS.update(((n, vllm), r) for n, r in zip(names, runs, strict=True))
+    result = _RESULTS[name, vllm]
     if not result["build"]["ok"] and "TokenizerUnavailable" in result["build"]["error"]:
         pytest.skip(result["build"]["error"])
     return result
