@@ -44,6 +44,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+PUBLISHED_COD = ["draft.type=peagle", "loss.cod.r=0.8", "loss.cod.r_min=0.2", "loss.cod.weighting=uniform"]
+RECIPE_COD = ["draft.type=peagle", "loss.cod.r=0.5", "loss.cod.r_min=0.1", "loss.cod.weighting=accepted"]
 HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle1": [],
     "eagle3": ["draft.type=eagle3"],  # reference TTT: 7 steps, decay 0.8, the full 512-token vocabulary
@@ -54,10 +56,19 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle3_vocab256": ["draft.type=eagle3", "draft.vocab_size=256"],
     "eagle3_2l": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.num_layers=2"],  # drafted serially
     "eagle3_4l": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.num_layers=4"],
-    "peagle": ["draft.type=peagle"],  # P-EAGLE: COD over 8 depths (r 0.8, r_min 0.2), one layer
-    "peagle_2l": ["draft.type=peagle", "draft.num_layers=2"],  # vLLM's benchmark heads have 2 layers
-    "peagle_4l": ["draft.type=peagle", "draft.num_layers=4"],  # the published P-EAGLE heads have 4 layers
-    "peagle_k4": ["draft.type=peagle", "loss.cod.num_depths=4"],  # COD over the depths a chain reaches here
+    # P-EAGLE with the other trainers' COD (r 0.8 / r_min 0.2, every element counts): the figures of
+    # docs/benchmarks.md before the stories260k_cpu recipe took its own COD settings
+    "peagle": PUBLISHED_COD,  # COD over 8 depths, one layer
+    "peagle_2l": [*PUBLISHED_COD, "draft.num_layers=2"],  # vLLM's benchmark heads have 2 layers
+    "peagle_4l": [*PUBLISHED_COD, "draft.num_layers=4"],  # the published P-EAGLE heads have 4 layers
+    "peagle_k4": [*PUBLISHED_COD, "loss.cod.num_depths=4"],  # COD over the depths a chain reaches here
+    "peagle_k5": [*PUBLISHED_COD, "loss.cod.num_depths=5"],
+    "peagle_r5": [*PUBLISHED_COD[:1], "loss.cod.r=0.5", "loss.cod.r_min=0.1", "loss.cod.weighting=uniform"],
+    "peagle_acc": [*PUBLISHED_COD[:3], "loss.cod.weighting=accepted"],
+    # the stories260k_cpu recipe's COD (r 0.5 / r_min 0.1, weighting accepted), written out
+    "peagle_acc_r5": RECIPE_COD,
+    "peagle_acc_r5_2l": [*RECIPE_COD, "draft.num_layers=2"],
+    "peagle_acc_r5_k5": [*RECIPE_COD, "loss.cod.num_depths=5"],
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree
 

@@ -79,6 +79,7 @@ class OptimConfig:
 
 
 DIVERGENCES = ("ce", "kl")
+COD_WEIGHTINGS = ("uniform", "accepted")
 
 
 @dataclass
@@ -91,10 +92,17 @@ class CodConfig:
     r: float = 0.8
     r_min: float = 0.2
     max_anchors: int | None = None  # at most this many loss-masked positions start chains (null: all)
+    # uniform: every element's loss counts (the paper, SpecForge, speculators, NeMo); accepted: a depth-d
+    # element's loss counts only where the head's greedy drafts at depths 0..d-1 of its own chain are the
+    # target's greedy tokens (a chain reaches depth d only then; docs/peagle.md measures both). Training
+    # only: the held-out CE and accuracies are every element's, comparable across weightings
+    weighting: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.num_depths < 1 or not 0.0 < self.r <= 1.0 or not 0.0 <= self.r_min <= 1.0:
             raise ValueError(f"loss.cod: need num_depths >= 1, r in (0, 1], r_min in [0, 1]; got {self}")
+        if self.weighting not in COD_WEIGHTINGS:
+            raise ValueError(f"loss.cod.weighting must be one of {COD_WEIGHTINGS}, got {self.weighting!r}")
         if self.max_anchors is not None and self.max_anchors < 1:
             raise ValueError(f"loss.cod.max_anchors must be >= 1 or null, got {self.max_anchors}")
 

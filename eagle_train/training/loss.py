@@ -329,17 +329,20 @@ def parallel_loss_sums(
     kl: bool = False,
     transform: LogitTransform | None = None,
     chunk: int | None = None,
+    parents: torch.Tensor | None = None,  # [M] the element's depth-(d-1) element of its chain, -1: none
 ) -> dict[str, torch.Tensor]:
     """P-EAGLE's per-depth SUMS [num_depths] over its COD elements (eagle_train.training.cod): `ce` the soft CE
     against the target's distribution over the draft vocabulary (`kl`: KL(target || draft), the same
     gradient; hard: the data token's draft id) at the trainable elements, no depth decay; `correct` draft
     top-1 == the target's greedy token over every element (a token outside the draft vocabulary is a
-    miss); `tokens` / `positions` the counts. The draft vocabulary's [c, V] logits exist one chunk at a
-    time (`chunk` elements, default `chunk_positions`): with several chunks each is recomputed in the
-    backward (activation checkpointing), so memory stays bounded at any element count."""
+    miss); `tokens` / `positions` the counts. With `parents` (loss.cod.weighting=accepted) an element's CE
+    counts only where every earlier element of its chain drafted the target's greedy token (`chain_accepted`).
+    The draft vocabulary's [c, V] logits exist one chunk at a time (`chunk` elements, default
+    `chunk_positions`): with several chunks each is recomputed in the backward (activation checkpointing),
+    so memory stays bounded at any element count."""
     chunk = chunk or chunk_positions(kept_lm_head.shape[0], states.device)
 
-    def part(st, th, lab, gr, tr, dp):
+    def part(st, th, lab, gr, tr):
         logp = torch.log_softmax(draft_logits(st).float(), dim=-1)  # [c, V]
         with torch.no_grad():
             target = (th.float() @ kept_lm_head.float().T)[tr]
@@ -350,20 +353,52 @@ def parallel_loss_sums(
             row = row + torch.special.xlogy(target, target).sum(-1) if kl else row
         else:
             row = F.nll_loss(logp[tr], lab[tr], reduction="none")
-        ce = torch.zeros(num_depths, device=st.device).index_add(0, dp[tr], row)
-        return ce, torch.zeros(num_depths, device=st.device).index_add(0, dp, hit)
+        return row, hit  # row: [trainable elements of the chunk]
 
-    ce, correct = [], []
+    rows, hits = [], []
     for lo in range(0, states.shape[0], chunk):
-        args = [x[lo : lo + chunk] for x in (states, target_hidden, labels, greedy, trainable, depth)]
+        args = [x[lo : lo + chunk] for x in (states, target_hidden, labels, greedy, trainable)]
         several = states.requires_grad and states.shape[0] > chunk
         out = checkpoint(part, *args, use_reentrant=False) if several else part(*args)
-        ce.append(out[0])
-        correct.append(out[1].detach())
+        rows.append(out[0])
+        hits.append(out[1].detach())
     zeros = torch.zeros(num_depths, device=states.device)
+    if not rows:
+        return {"ce": zeros, "correct": zeros, "tokens": zeros, "positions": zeros}
+    row, hit = torch.cat(rows), torch.cat(hits)  # [trainable elements], [M]
+    if parents is not None:
+        row = row * chain_accepted(hit, parents, depth, num_depths)[trainable]
     return {
-        "ce": torch.stack(ce).sum(0) if ce else zeros,
-        "correct": torch.stack(correct).sum(0) if correct else zeros,
+        "ce": zeros.index_add(0, depth[trainable], row),
+        "correct": zeros.index_add(0, depth, hit),
         "tokens": zeros.index_add(0, depth, trainable.float()),
         "positions": zeros.index_add(0, depth, torch.ones_like(depth, dtype=torch.float32)),
     }
+
+
+def chain_accepted(
+    hit: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, num_depths: int
+) -> torch.Tensor:
+    """[M] 1.0 where every earlier element of the element's chain (parent, its parent, ...) drafted the
+    target's greedy token (`hit`), else 0.0; an element without a parent on the loss mask counts as reached."""
+    reached = torch.ones_like(hit)
+    for d in range(1, num_depths):
+        at = torch.nonzero((depth == d) & (parents >= 0)).flatten()
+        reached[at] = reached[parents[at]] * hit[parents[at]]
+    return reached
+
+
+def chain_parents(rows: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor, shape) -> torch.Tensor:
+    """[M] the index of each element's parent (same row, same anchor = position - depth, depth - 1) among
+    the M elements (row [M], head position [M], depth [M] of a batch [b, n]), -1 at depth 0 or when the
+    parent is not among them."""
+    b, n = shape
+    anchor = positions - depth
+    index = torch.full(
+        (b, n, int(depth.max()) + 1 if depth.numel() else 1), -1, dtype=torch.long, device=depth.device
+    )
+    index[rows, anchor, depth] = torch.arange(depth.numel(), device=depth.device)
+    parents = torch.full_like(depth, -1)
+    deep = depth > 0
+    parents[deep] = index[rows[deep], anchor[deep], depth[deep] - 1]
+    return parents

@@ -24,6 +24,7 @@ from eagle_train.modeling.logit_transform import LogitTransform
 from eagle_train.training.cod import CodBatch, by_depth, cod_attention_mask, cod_forward, flatten_cod
 from eagle_train.training.loss import (
     add_feature_noise,
+    chain_parents,
     combine_terms,
     combine_ttt_terms,
     eagle_loss_sums,
@@ -237,6 +238,8 @@ class PEagleObjective(Eagle3Objective):
             draft_index[labels], picked(batch["greedy"]), self.t2d[labels], depth, draft_ids,
             self.steps, self.cfg.soft, self.cfg.divergence == "kl",
             None if self.transform.identity else self.transform,
+            parents=chain_parents(rows, positions, depth, batch["loss_mask"].shape)
+            if self.cfg.cod.weighting == "accepted" and generator is not None else None,  # held out: all
         )  # fmt: skip
         return {f"{name}_{d}": sums[name][d] for d in range(self.steps) for name in sums}
 

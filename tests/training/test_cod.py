@@ -17,7 +17,7 @@ from eagle_train.training.cod import (
     expected_elements,
     flatten_cod,
 )
-from eagle_train.training.loss import parallel_loss_sums
+from eagle_train.training.loss import chain_accepted, chain_parents, parallel_loss_sums
 from eagle_train.training.ttt import parallel_unroll
 from tests.decoding.test_lean_draft import config
 
@@ -148,6 +148,50 @@ def test_the_chunked_loss_equals_one_chunk_and_kl_is_ce_minus_the_entropy(soft):
         torch.testing.assert_close(kl["ce"], expected)
         grad_kl = torch.autograd.grad(kl["ce"].sum(), states)[0]
         torch.testing.assert_close(grad_kl, grad_whole[0])
+
+
+def test_accepted_weighting_counts_an_element_only_behind_its_chains_greedy_hits():
+    """loss.cod.weighting=accepted: each element's parent is (same row, same anchor, depth - 1), found in any
+    order of the elements; an element's CE counts only when every earlier element of its chain hit."""
+    # (row, head position, depth), shuffled; row 0: anchor 1 reaches depth 3, anchor 3 depth 1; row 1: anchor 0
+    elements = [(0, 1, 0), (0, 2, 1), (0, 3, 2), (0, 4, 3), (0, 3, 0), (0, 4, 1), (0, 2, 0), (1, 0, 0),
+                (1, 1, 1), (1, 2, 2), (1, 1, 0), (0, 5, 1)]  # fmt: skip
+    order = torch.randperm(len(elements), generator=generator(5))
+    rows, positions, depth = (torch.tensor([elements[i][k] for i in order]) for k in range(3))
+    parents = chain_parents(rows, positions, depth, (2, 6))
+    where = {elements[int(i)]: j for j, i in enumerate(order)}
+    expected = {(0, 2, 1): (0, 1, 0), (0, 3, 2): (0, 2, 1), (0, 4, 3): (0, 3, 2), (0, 4, 1): (0, 3, 0),
+                (1, 1, 1): (1, 0, 0), (1, 2, 2): (1, 1, 1)}  # fmt: skip
+    for element, j in where.items():  # (0, 5, 1): its anchor 4's depth-0 element is not among them
+        assert int(parents[j]) == (where[expected[element]] if element in expected else -1)
+    missed = {(0, 2, 1), (1, 0, 0)}  # the drafts that are not the target's greedy token
+    hit = torch.tensor([0.0 if elements[int(i)] in missed else 1.0 for i in order])
+    reached = chain_accepted(hit, parents, depth, 4)
+    behind = {(0, 3, 2), (0, 4, 3), (1, 1, 1), (1, 2, 2)}  # an earlier element of the chain missed
+    assert reached.tolist() == [0.0 if elements[int(i)] in behind else 1.0 for i in order]
+    # the loss: the same CE rows as uniform weighting, those behind a miss dropped, no gradient through them
+    m, d, vocab = len(elements), 8, 5
+    lm, states = torch.nn.Linear(d, vocab, bias=False), torch.randn(m, d, requires_grad=True)
+    target, kept = torch.randn(m, d), torch.randn(vocab, d)
+    greedy = torch.where(hit > 0, -1, 99)  # -1 never matches: recomputed hits are all misses...
+    args = (
+        lm,
+        target,
+        kept,
+        torch.zeros(m, dtype=torch.long),
+        greedy,
+        torch.ones(m, dtype=torch.bool),
+        depth,
+    )
+    uniform = parallel_loss_sums(states, *args, torch.arange(vocab), 4)
+    accepted = parallel_loss_sums(states, *args, torch.arange(vocab), 4, parents=parents)
+    assert torch.equal(accepted["ce"][0], uniform["ce"][0])  # ...so only elements without a parent count
+    assert accepted["ce"][1:].sum() < uniform["ce"][1:].sum()
+    gold = torch.where(hit > 0, torch.arange(vocab)[(states @ lm.weight.T).argmax(-1)], 99)  # real hits
+    accepted = parallel_loss_sums(states, *args[:4], gold, *args[5:], torch.arange(vocab), 4, parents=parents)
+    grad = torch.autograd.grad(accepted["ce"].sum(), states)[0]
+    keep = torch.tensor([elements[int(i)] not in behind for i in order])
+    assert grad[~keep].abs().sum() == 0 and (grad[keep].abs().sum(-1) > 0).all()
 
 
 @torch.no_grad()
