@@ -104,8 +104,9 @@ def test_sampling_is_lossless(name, matrix_work):
 
 def test_tokenizer_errors_skip(monkeypatch):
     """A family whose tokenizer cannot be fetched is skipped with npm's reason, never failed."""
-    _RESULTS["_probe"] = {
-        "build": {"ok": False, "error": f"TokenizerUnavailable: {TokenizerUnavailable('x')}"}
-    }
-    with pytest.raises(pytest.skip.Exception):
-        family_result("_probe", None)
+    for vllm in (False, True):  # the matrix and its vLLM part (tests/engines/test_families_vllm.py)
+        _RESULTS["_probe", vllm] = {
+            "build": {"ok": False, "error": f"TokenizerUnavailable: {TokenizerUnavailable('x')}"}
+        }
+        with pytest.raises(pytest.skip.Exception):
+            family_result("_probe", None, vllm=vllm)
