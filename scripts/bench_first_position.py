@@ -39,16 +39,15 @@ NEW_TOKENS = 128
 def first_position_top1(target, head, answers: list[tuple[list[int], list[int]]]) -> dict:
     """Teacher-forced top-1 of the head's draft from the real pair at every answer position after the first."""
     aux_layers, vocab_map = head_reads(head, target.device)
-    hits = total = 0
+    dtype, hits, total = next(head.parameters()).dtype, 0, 0
     for prompt, answer in answers:
         ids = torch.tensor([prompt + answer], device=target.device)
         if aux_layers:
             _, features = target.aux_hidden_states(ids, None, aux_layers)
         else:
             features = target.hidden_states(ids)
-        param = next(head.parameters())
         # pair j = (f_j, t_{j+1}) drafts t_{j+2}; causal over the whole sequence (the decoder's catch-up)
-        states = head(ids[:, 1:], features[:, :-1].to(param.dtype))
+        states = head(ids[:, 1:], features[:, :-1].to(dtype))
         draft = head.logits(states)[0].argmax(-1)
         draft = draft if vocab_map is None else vocab_map[draft]
         first = len(prompt) - 1  # pair (f_{P-1}, t_P) drafts t_{P+1}, the answer's second token

@@ -380,25 +380,25 @@ def chain_accepted(
     hit: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, num_depths: int
 ) -> torch.Tensor:
     """[M] 1.0 where every earlier element of the element's chain (parent, its parent, ...) drafted the
-    target's greedy token (`hit`), else 0.0; an element without a parent on the loss mask counts as reached."""
+    target's greedy token (`hit`), else 0.0; an element without a parent on the loss mask counts as reached.
+    Masks only (no nonzero, no host sync on an accelerator: it runs in the training step)."""
     reached = torch.ones_like(hit)
+    parent = parents.clamp(min=0)
     for d in range(1, num_depths):
-        at = torch.nonzero((depth == d) & (parents >= 0)).flatten()
-        reached[at] = reached[parents[at]] * hit[parents[at]]
+        here = (depth == d) & (parents >= 0)
+        reached = torch.where(here, reached[parent] * hit[parent], reached)
     return reached
 
 
-def chain_parents(rows: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor, shape) -> torch.Tensor:
+def chain_parents(
+    rows: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor, shape, num_depths: int
+) -> torch.Tensor:
     """[M] the index of each element's parent (same row, same anchor = position - depth, depth - 1) among
-    the M elements (row [M], head position [M], depth [M] of a batch [b, n]), -1 at depth 0 or when the
-    parent is not among them."""
+    the M elements (row [M], head position [M], depth [M] < num_depths of a batch [b, n]), -1 at depth 0 or
+    when the parent is not among them."""
     b, n = shape
     anchor = positions - depth
-    index = torch.full(
-        (b, n, int(depth.max()) + 1 if depth.numel() else 1), -1, dtype=torch.long, device=depth.device
-    )
+    index = torch.full((b, n, num_depths), -1, dtype=torch.long, device=depth.device)
     index[rows, anchor, depth] = torch.arange(depth.numel(), device=depth.device)
-    parents = torch.full_like(depth, -1)
-    deep = depth > 0
-    parents[deep] = index[rows[deep], anchor[deep], depth[deep] - 1]
-    return parents
+    below = index[rows, anchor, (depth - 1).clamp(min=0)]
+    return torch.where(depth > 0, below, torch.full_like(depth, -1))

@@ -238,7 +238,7 @@ class PEagleObjective(Eagle3Objective):
             draft_index[labels], picked(batch["greedy"]), self.t2d[labels], depth, draft_ids,
             self.steps, self.cfg.soft, self.cfg.divergence == "kl",
             None if self.transform.identity else self.transform,
-            parents=chain_parents(rows, positions, depth, batch["loss_mask"].shape)
+            parents=chain_parents(rows, positions, depth, batch["loss_mask"].shape, self.steps)
             if self.cfg.cod.weighting == "accepted" and generator is not None else None,  # held out: all
         )  # fmt: skip
         return {f"{name}_{d}": sums[name][d] for d in range(self.steps) for name in sums}

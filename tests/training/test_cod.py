@@ -158,7 +158,7 @@ def test_accepted_weighting_counts_an_element_only_behind_its_chains_greedy_hits
                 (1, 1, 1), (1, 2, 2), (1, 1, 0), (0, 5, 1)]  # fmt: skip
     order = torch.randperm(len(elements), generator=generator(5))
     rows, positions, depth = (torch.tensor([elements[i][k] for i in order]) for k in range(3))
-    parents = chain_parents(rows, positions, depth, (2, 6))
+    parents = chain_parents(rows, positions, depth, (2, 6), 4)
     where = {elements[int(i)]: j for j, i in enumerate(order)}
     expected = {(0, 2, 1): (0, 1, 0), (0, 3, 2): (0, 2, 1), (0, 4, 3): (0, 3, 2), (0, 4, 1): (0, 3, 0),
                 (1, 1, 1): (1, 0, 0), (1, 2, 2): (1, 1, 1)}  # fmt: skip
