@@ -9,7 +9,8 @@ from measurements, not from a model of the hardware:
                             (n = 1 is a plain decoding step: the ar baseline's cost per token)
     expand_s[d - 1][k - 1]  one EAGLE-2 expansion of depth d and top_k k (d draft steps of width k, the
                             top-k / sort per depth and the rerank), d = 1..max_depth, k = 1..max_k
-    step_s[w - 1]           one draft step of width w + its top-k (static trees: chain, EAGLE-1)
+    step_s[w - 1]           one draft step of width w + its top-k (static trees: chain, EAGLE-1; P-EAGLE's
+                            row lookup + top-k stands for its whole static draft, one top-k for all depths)
     catch_up_s[m - 1]       the draft's catch-up over m accepted tokens (once per round), m = 1..max_depth + 2
                             (P-EAGLE: over m inputs, m = 1..2 max_depth + 2: its catch-up carries the round's
                             placeholders, so a round's draft forward is catch_up(accepted + placeholders),
@@ -79,7 +80,10 @@ class CostCurves:
         return self.expand_s[depth - 1][top_k - 1]
 
     def static_draft(self, level_widths: list[int]) -> float:
-        """A static tree's drafting: one step per depth but the last (widths = nodes per depth)."""
+        """A static tree's drafting: one step per depth but the last (widths = nodes per depth). P-EAGLE
+        curves: one top-k over every depth's row (`expand.expand_parallel`), about one step's cost."""
+        if self.parallel:
+            return self.step_s[0]
         widths = [min(w, len(self.step_s)) for w in level_widths[:-1]]
         return sum(self.step_s[w - 1] for w in widths)
 

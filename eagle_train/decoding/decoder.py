@@ -40,7 +40,7 @@ import torch
 
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.drafter import Drafter
-from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
+from eagle_train.decoding.expand import expand_dynamic, expand_parallel, expand_static, plan_static
 from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.timing import PhaseTimer
@@ -255,6 +255,8 @@ class SpeculativeDecoder:
             self._plans[depth] = plan_static(self.shape.truncated(depth), self.device)
         sample = self._draft_probs if self.sampling and self.cfg.sample_children else None
         plan = self._plans[depth]
+        if sample is None and drafter.round_logp is not None:  # P-EAGLE: every depth from one top-k
+            return expand_parallel(plan, root, drafter.round_logp, self.vocab_map)
         return expand_static(plan, root, root_logp, drafter, sample, self.generator, self.vocab_map)
 
     def _expand_dynamic(self, root: int, root_logp: torch.Tensor, drafter: Drafter, room: int) -> Tree:

@@ -57,6 +57,8 @@ class Drafter:
         )
         self.root = self.hidden[:1]
         self.parallel_logp: torch.Tensor | None = None  # P-EAGLE: [parallel, vocab], row k-1 for depth k + 1
+        # P-EAGLE: [parallel + 1, vocab], the root's children then parallel_logp (`expand.expand_parallel`)
+        self.round_logp: torch.Tensor | None = None
         if parallel:
             mask_hidden = head.mask_hidden.detach().reshape(1, -1).to(self.dtype)  # [1, 3 d_t]
             self.placeholder_features = mask_hidden.expand(parallel, -1)
@@ -122,6 +124,7 @@ class Drafter:
         self.root = hidden[
             m - 1 : m
         ]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
+        self.round_logp = logp if extra else None
         self.parallel_logp = logp[1:] if extra else None
         return logp[0]
 

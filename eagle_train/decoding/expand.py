@@ -42,6 +42,8 @@ class StaticPlan:
     width: list[int]  # per depth: children to draw per parent (max rank + 1)
     feed_parents: list[torch.Tensor]  # per depth: feed index of each node's parent (-1 = root)
     feed_masks: list[torch.Tensor]  # per depth: [nodes, fed so far] ancestor-or-self mask over fed inputs
+    node_depths: torch.Tensor  # [n - 1]: depth - 1 of nodes 1..n-1 (`expand_parallel`'s row per node)
+    node_ranks: torch.Tensor  # [n - 1]: child rank of nodes 1..n-1
 
 
 def plan_static(shape: TreeShape, device: torch.device | str = "cpu") -> StaticPlan:
@@ -60,7 +62,11 @@ def plan_static(shape: TreeShape, device: torch.device | str = "cpu") -> StaticP
     # a depth's inputs are nodes lo..hi-1, fed after nodes 1..lo-1: feed index = node id - 1
     feed_parents = [template.parents[lo:hi] - 1 for lo, hi in levels]
     feed_masks = [template.attention_mask[lo:hi, 1:hi].contiguous() for lo, hi in levels]
-    return StaticPlan(shape, template, levels, parent_rows, ranks, width, feed_parents, feed_masks)
+    node_depths = torch.tensor(shape.depths[1:], device=device) - 1
+    node_ranks = torch.tensor(shape.ranks[1:], device=device)
+    return StaticPlan(
+        shape, template, levels, parent_rows, ranks, width, feed_parents, feed_masks, node_depths, node_ranks
+    )
 
 
 def draw_children(
@@ -126,6 +132,28 @@ def expand_static(
         draft_probs=draft_probs,
         draft_vocab=None if draft_probs is None else vocab_map,
     )
+
+
+def expand_parallel(
+    plan: StaticPlan,
+    root_token: int,
+    depth_log_probs: torch.Tensor,  # [>= D, vocab]: row d - 1 the distribution of every node's children at depth d
+    vocab_map: torch.Tensor | None = None,
+) -> Tree:
+    """`expand_static` for a P-EAGLE round with top-ranked children: every node's children at depth d come
+    from one distribution whatever the parent (the placeholders never see the drafted tokens), all known
+    after the round's one draft forward, so one top-k over the D rows fills every depth at once (no step
+    calls, no per-depth loop). Sampled children draw depth by depth: `expand_static`."""
+    template = plan.template
+    depths = len(plan.levels)
+    if depths > depth_log_probs.shape[0]:
+        raise ValueError(f"a tree {depths} deep from {depth_log_probs.shape[0] - 1} P-EAGLE placeholders")
+    top_lp, top_tok = torch.topk(depth_log_probs[:depths], max(plan.width), dim=-1)
+    tokens = torch.empty(template.size, dtype=torch.long, device=depth_log_probs.device)
+    tokens[0] = root_token
+    tokens[1:] = to_target(top_tok[plan.node_depths, plan.node_ranks], vocab_map)
+    confidence = torch.cat([top_lp.new_ones(1), top_lp[plan.node_depths, plan.node_ranks].exp()])
+    return replace(template, tokens=tokens, confidence=confidence)
 
 
 @dataclass

@@ -284,6 +284,10 @@ def test_peagle_chains_are_replayed_and_costed_as_one_forward(target, trained_pe
     costs = measure_costs(target, head, 32, max_nodes=12, max_depth=4, max_k=2, repeats=1)
     assert costs.parallel and len(costs.catch_up_s) == 2 * 4 + 2 and costs.key["head_kind"] == "peagle"
     assert costs.catch_up(2.0, 3) == costs.catch_up(5.0)  # 2 accepted + 3 placeholders: 5 inputs
+    # a static tree of any depth is one top-k over the catch-up's rows (expand.expand_parallel)
+    assert costs.static_draft([1] * 5) == costs.static_draft([2, 4, 4]) == costs.step_s[0]
+    serial = replace(costs, parallel=False)  # an EAGLE-3 head's curves: one draft step per depth but the last
+    assert serial.static_draft([2, 4, 4]) == costs.step_s[1] + costs.step_s[3]
     choice = choose_shapes(calibration, costs)
     chain = SpeculativeDecoder(
         target, head, DecodeConfig(method="chain", max_new_tokens=NEW, **choice.decode_fields("chain"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle_train.config.decode import load_tree_paths
-from eagle_train.decoding.expand import expand_dynamic, expand_static, plan_static
+from eagle_train.decoding.expand import expand_dynamic, expand_parallel, expand_static, plan_static
 from eagle_train.decoding.tree import chain_paths, shape_from_paths
 
 VOCAB = 23
@@ -75,6 +75,39 @@ def test_static_expansion_matches_reference(scripted_draft, paths):
         assert tree.confidence[i] == pytest.approx(
             path_log_probs(path[:-1], VOCAB)[path[-1]].exp().item(), rel=1e-5
         )
+
+
+@pytest.mark.parametrize(
+    "paths", [chain_paths(5), load_tree_paths("mc_sim_7b_63"), [[0], [2], [2, 1], [2, 1, 3]]]
+)
+@pytest.mark.parametrize("reduced", [False, True])
+def test_parallel_expansion_is_the_static_one_from_per_depth_rows(paths, reduced):
+    """A P-EAGLE round: each depth's children come from one row whatever the parent. One top-k over the rows
+    (expand_parallel) gives the tree, tokens and confidences of expand_static's depth-by-depth draft, with
+    and without a reduced draft vocabulary; fewer rows than depths is an error, not a shorter tree."""
+    shape = shape_from_paths(paths)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(shape.max_depth + 2, VOCAB, generator=g).log_softmax(-1)  # more rows than needed
+    vocab_map = torch.randperm(VOCAB * 3, generator=g)[:VOCAB] if reduced else None
+    calls = []
+
+    def step(tokens, parents, tree_mask, depth):
+        calls.append(depth)
+        return rows[depth].expand(tokens.shape[0], -1)
+
+    plan = plan_static(shape)
+    slow = expand_static(plan, ROOT, rows[0], step, vocab_map=vocab_map)
+    fast = expand_parallel(plan, ROOT, rows, vocab_map)
+    assert calls == list(range(1, shape.max_depth))
+    assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.parents, slow.parents)
+    assert torch.equal(fast.confidence, slow.confidence)
+    assert torch.equal(fast.attention_mask, slow.attention_mask) and fast.draft_probs is None
+    top = rows.topk(VOCAB, dim=-1).indices  # a node of rank r at depth d: row d - 1's r-th token
+    top = top if vocab_map is None else vocab_map[top]
+    for i in range(1, shape.size):
+        assert fast.tokens[i] == top[shape.depths[i] - 1, shape.ranks[i]]
+    with pytest.raises(ValueError, match="P-EAGLE placeholders"):
+        expand_parallel(plan, ROOT, rows[: shape.max_depth - 1], vocab_map)
 
 
 @pytest.mark.parametrize(
