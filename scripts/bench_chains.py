@@ -2,6 +2,7 @@
 `decode.shape=auto` chooses, and the EAGLE-2 tree it chooses (a P-EAGLE head: a tree from its one forward).
 
     python scripts/bench_chains.py NAME=HEAD_DIR [NAME=HEAD_DIR ...] [--chains 3,5,7,8] [--questions 20] [--out FILE]
+        [--compile-decode]
 
 The decoders (ar, then per head: chain K for every K, chain at the chosen K, eagle2 at the chosen shape) answer
 the first `--questions` TinyStories prompts and mt_bench first turns (128 new tokens), each question by every
@@ -68,9 +69,14 @@ def decoders(target, name: str, head, chains: list[int], shapes: dict) -> dict[s
     }
 
 
-def sweep(heads: dict[str, Path], chains: list[int], questions: int, cache: Path) -> dict:
-    """Every decoder of every head on every bench (module docstring); per head its rows and its choice."""
-    target = load_target(to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig))
+def sweep(
+    heads: dict[str, Path], chains: list[int], questions: int, cache: Path, compile_decode: bool = False
+) -> dict:
+    """Every decoder of every head on every bench (module docstring); per head its rows and its choice.
+    `compile_decode`: the target's decode-time forwards run under torch.compile (target.compile_decode)."""
+    target_cfg = OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml")
+    target_cfg.compile_decode = compile_decode
+    target = load_target(to_schema(target_cfg, TargetConfig))
     renderer = ChatRenderer(target.tokenizer, target.cfg, target.max_len)
     limit = target.max_len - NEW_TOKENS
     made = {"ar": SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW_TOKENS))}
@@ -131,13 +137,17 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_results/chains.json", help="JSON result")
+    ap.add_argument(
+        "--compile-decode", action="store_true", help="the target's decode forwards under torch.compile"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     heads = dict(spec.split("=", 1) for spec in args.heads)
     out = Path(args.out)
     start, load = time.perf_counter(), os.getloadavg()
     chains = [int(k) for k in args.chains.split(",")]
-    result = sweep({k: Path(v) for k, v in heads.items()}, chains, args.questions, out.parent / "costs")
+    costs = out.parent / "costs"
+    result = sweep({k: Path(v) for k, v in heads.items()}, chains, args.questions, costs, args.compile_decode)
     result = {"heads": result, "seconds": time.perf_counter() - start, "loadavg": [load, os.getloadavg()]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

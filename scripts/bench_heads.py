@@ -2,6 +2,7 @@
 
     python scripts/bench_heads.py [--minutes 40] [--heads eagle1,eagle3_ttt5] [--jobs 2] [--conversations 3000]
     python scripts/bench_heads.py --heads eagle3_ttt5,peagle_2l --eval chains   # P-EAGLE vs EAGLE-3 chains
+    python scripts/bench_heads.py --heads eagle3_ttt5,peagle_acc_r5 --eval chains --compile-decode --reuse
     python scripts/bench_heads.py --reuse            # keep data, stores and finished trainings in --work
     python scripts/bench_heads.py --heads ""         # only the data and the two stores
 
@@ -23,7 +24,9 @@
    scripts/bench_chains.py with ALL the heads in one process, each question decoded by every head's
    decoders in turn: the built-in decoder's chains of every K in --chains, the K decode.shape=auto chooses
    and its EAGLE-2 tree (tau, acceptance by position, draft ms per round, tokens/s, speedup), and per
-   benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's.
+   benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's;
+   --compile-decode runs that sweep with the target's decode forwards compiled (target.compile_decode:
+   the heads' forwards stay the lean eager ones), a sweep of its own.
 
 The stages run as subprocesses with OMP_NUM_THREADS=1, --jobs heads at once (each head's calibration,
 training and evaluation in turn, one core each: heads run side by side meet the same phase of a shared
@@ -173,10 +176,12 @@ def chain_sweep(work: Path, runs: dict[str, Path], args: argparse.Namespace) -> 
     """scripts/bench_chains.py on every head trained (name -> run), all in one process (one thread), each
     question decoded by every head in turn: the heads' tokens/s measured at the same moments."""
     tag = "_".join(run.name for run in runs.values())
-    out = work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}.json"
+    compiled = "_compiled" if args.compile_decode else ""
+    out = work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}{compiled}.json"
     if not (args.reuse and out.is_file()):
         heads = [f"{name}={run / 'final'}" for name, run in runs.items()]
         script = [*heads, f"--chains={args.chains}", f"--questions={args.questions}", f"--out={out}"]
+        script += ["--compile-decode"] if args.compile_decode else []
         stage("scripts/bench_chains.py", script, work / "logs" / "chains.log", script=True)
     return json.loads(out.read_text())["heads"]
 
@@ -275,6 +280,11 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=20, help="questions per benchmark")
     ap.add_argument("--eval", default="tree", help="tree (the evaluate stage's EAGLE-2) and/or chains")
     ap.add_argument("--chains", default="3,5,7,8", help="--eval chains: the chain lengths K swept")
+    ap.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="--eval chains: the target's decode forwards under torch.compile (target.compile_decode)",
+    )
     ap.add_argument("--calib-steps", type=int, default=40)
     ap.add_argument("--tolerance", type=float, default=0.15, help="accepted miss of the budget (fraction)")
     ap.add_argument("--work", default=str(REPO / "bench_results" / "heads_work"))

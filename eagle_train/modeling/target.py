@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 # Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
 # its ancestors). flash_attention_2 reads a 4-D mask as a 2-D padding mask; the rest are not checked.
 DECODE_ATTENTION = ("eager", "sdpa")
+RECOMPILE_LIMIT = 64  # graphs a compiled decoder may build (`Target._compiled_decoder`)
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}  # config name -> torch dtype
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # and back (config.json)
 # Config fields of the logit processing a ForCausalLM applies after its LM head
@@ -392,9 +393,8 @@ class Target(TargetParts):
         decoder, cache_kwarg, lm_head = self._decode_modules
         if self.cfg.compile_decode:
             decoder = self._compiled_decoder
-        kwargs = {cache_kwarg: HFCacheView(cache)}
-        if aux_layers is not None:
-            kwargs["output_hidden_states"] = True
+        # output_hidden_states always passed: a compiled decoder guards on the number of keywords
+        kwargs = {cache_kwarg: HFCacheView(cache), "output_hidden_states": aux_layers is not None}
         with attention_implementation(decoder.config, attention):
             out = decoder(
                 input_ids=input_ids,
@@ -421,6 +421,11 @@ class Target(TargetParts):
         are dynamic from the start (the query count and the cache length change every call); dynamo traces
         through `HFCacheView` without a graph break on Llama-style models, and a model it cannot trace
         runs in pieces (graph breaks), never wrong."""
+        # A process decodes several kinds of forward, each its own graph: one-token steps and wider ones,
+        # with and without aux features, the prompt (as many queries as keys), inference-mode tensors or
+        # not, a full cache. Past dynamo's default of 8 graphs the rest would silently run uncompiled.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         return torch.compile(self._decode_modules[0], dynamic=True)
 
 
