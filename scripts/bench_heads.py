@@ -72,6 +72,9 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "peagle_acc_r5": RECIPE_COD,
     "peagle_acc_r5_2l": [*RECIPE_COD, "draft.num_layers=2"],
     "peagle_acc_r5_k5": [*RECIPE_COD, "loss.cod.num_depths=5"],
+    # an MLP 4 x the target's (172 -> 688): more of the per-position compute a placeholder has
+    "eagle3_mlp4x": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.intermediate_size=688"],
+    "peagle_acc_r5_mlp4x": [*RECIPE_COD, "draft.intermediate_size=688"],
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree
 

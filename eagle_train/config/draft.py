@@ -18,6 +18,9 @@ class DraftConfig:
     # decoder layers in the head (EAGLE uses 1); eagle3 / peagle: layer 0 is the fusion layer (the
     # midlayer), layers 1..N-1 plain pre-norm Llama layers (published P-EAGLE heads: 4)
     num_layers: int = 1
+    # the width of the head's MLP; null = the target's intermediate_size (what EAGLE heads use). The engines
+    # read it from the exported config.json, so any width serves
+    intermediate_size: int | None = None
     # bias on fc; null = the type's default: eagle1 on (SGLang, the reference; vLLM's export folds it),
     # eagle3 / peagle off (no engine's EAGLE-3 fc has one, so they refuse it)
     fc_bias: bool | None = None
@@ -35,6 +38,8 @@ class DraftConfig:
             raise ValueError(f"draft.type must be one of {DRAFT_TYPES}, got {self.type!r}")
         if self.num_layers < 1:
             raise ValueError(f"draft.num_layers must be >= 1, got {self.num_layers}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"draft.intermediate_size must be >= 1 (or null), got {self.intermediate_size}")
         if self.type in EAGLE3_FAMILY:
             if self.fc_bias:
                 raise ValueError(

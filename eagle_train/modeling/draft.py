@@ -67,14 +67,19 @@ class KVCache(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def draft_llama_config(target_config: PretrainedConfig, num_layers: int = 1) -> LlamaConfig:
-    """The draft's Llama config: the target's shapes and RoPE with `num_layers` layers. The draft is a Llama
+def draft_llama_config(
+    target_config: PretrainedConfig, num_layers: int = 1, intermediate_size: int | None = None
+) -> LlamaConfig:
+    """The draft's Llama config: the target's shapes and RoPE with `num_layers` layers (and an MLP
+    `intermediate_size` wide: None = the target's). The draft is a Llama
     layer whatever the target (as vLLM and SGLang build it): SiLU MLP; an MLA target's `head_dim` (its RoPE
     width) is not an attention head's width, so the draft's heads are hidden_size / heads wide; a target
     with RoPE per layer type (Gemma-3: local and global) gives the draft its global (full-attention) RoPE."""
     src = target_config.to_dict()
     kwargs = {k: src[k] for k in _LLAMA_FIELDS if k in src and src[k] is not None}
     kwargs["hidden_act"] = "silu"
+    if intermediate_size is not None:
+        kwargs["intermediate_size"] = intermediate_size
     if "qk_rope_head_dim" in src:
         kwargs.pop("head_dim", None)
     rope = kwargs.get("rope_parameters")
@@ -210,8 +215,10 @@ class DraftHead(FrozenParts, nn.Module):
         num_layers: int = 1,
         fc_bias: bool = True,
         target: SharedTarget | None = None,
+        intermediate_size: int | None = None,
     ) -> DraftHead:
-        return cls(draft_llama_config(target_config, num_layers), fc_bias=fc_bias, target=target)
+        config = draft_llama_config(target_config, num_layers, intermediate_size)
+        return cls(config, fc_bias=fc_bias, target=target)
 
     @torch.no_grad()
     def share_target_weights(self, target: SharedTarget, dtype: torch.dtype | None = None) -> None:

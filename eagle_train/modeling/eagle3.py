@@ -115,8 +115,9 @@ class Eagle3Head(FrozenParts, nn.Module):
         norm_output: bool = False,
         target=None,
         num_layers: int = 1,
+        intermediate_size: int | None = None,
     ) -> Eagle3Head:
-        config = draft_llama_config(target_config, num_layers)
+        config = draft_llama_config(target_config, num_layers, intermediate_size)
         return cls(config, aux_layers, draft_vocab_size, fc_norm, norm_output, target=target)
 
     def with_config(self, config: LlamaConfig) -> Eagle3Head:

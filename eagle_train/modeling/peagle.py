@@ -68,8 +68,9 @@ class PEagleHead(Eagle3Head):
         fc_norm: bool = False,
         target=None,
         num_layers: int = 1,
+        intermediate_size: int | None = None,
     ) -> PEagleHead:
-        config = draft_llama_config(target_config, num_layers)
+        config = draft_llama_config(target_config, num_layers, intermediate_size)
         return cls(config, aux_layers, draft_vocab_size, mask_token_id, fc_norm, target=target)
 
     def with_config(self, config: LlamaConfig) -> PEagleHead:

@@ -96,7 +96,13 @@ def fresh_head(cfg: DraftConfig, target: TargetParts, source: Source, train: Seq
     """A new head of type `cfg.type` (weights seeded by `seed`)."""
     torch.manual_seed(seed)
     if cfg.type == "eagle1":
-        return DraftHead.from_target(target.config, cfg.num_layers, cfg.has_fc_bias, target=target)
+        return DraftHead.from_target(
+            target.config,
+            cfg.num_layers,
+            cfg.has_fc_bias,
+            target=target,
+            intermediate_size=cfg.intermediate_size,
+        )
     size = cfg.vocab_size or default_draft_vocab_size(target.vocab_size)
     if cfg.type == "peagle":
         mask, why = choose_mask_token(
@@ -112,11 +118,12 @@ def fresh_head(cfg: DraftConfig, target: TargetParts, source: Source, train: Seq
             cfg.fc_norm,
             target=target,
             num_layers=cfg.num_layers,
+            intermediate_size=cfg.intermediate_size,
         )
     else:
         head = Eagle3Head.from_target(
             target.config, target.aux_layers, size, cfg.fc_norm, cfg.norm_output, target=target,
-            num_layers=cfg.num_layers,
+            num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size,
         )  # fmt: skip
     head.set_vocabulary(draft_vocabulary(source, train, target.vocab_size, size), target.lm_head.weight)
     return head

@@ -71,16 +71,16 @@ def test_lean_forward_equals_head_forward(num_layers, kv_heads, fc_bias, attenti
 
 
 @pytest.mark.parametrize(
-    "fc_norm, norm_output, kv_heads, layers, kind",
-    [(False, False, 2, 1, "eagle3"), (True, True, 4, 1, "eagle3"), (False, True, 2, 1, "eagle3"),
-     (False, False, 2, 3, "eagle3"), (True, False, 4, 2, "peagle")],
+    "fc_norm, norm_output, kv_heads, layers, kind, mlp",
+    [(False, False, 2, 1, "eagle3", None), (True, True, 4, 1, "eagle3", None), (False, True, 2, 1, "eagle3", None),
+     (False, False, 2, 3, "eagle3", None), (True, False, 4, 2, "peagle", None), (False, False, 2, 2, "peagle", 200)],
 )  # fmt: skip
 @torch.no_grad()
-def test_lean_eagle3_forward_equals_head_forward(fc_norm, norm_output, kv_heads, layers, kind):
+def test_lean_eagle3_forward_equals_head_forward(fc_norm, norm_output, kv_heads, layers, kind, mlp):
     """The EAGLE-3 lean forward: target features (3d, through fc) for a causal prefix, then a tree step
     fed the head's own states (d wide, fc skipped), log-probs over the draft vocabulary; multi-layer heads
-    (layers 1..N-1 plain pre-norm layers) and P-EAGLE heads (the learned row of the mask token, which the
-    prefix holds twice) alike."""
+    (layers 1..N-1 plain pre-norm layers), P-EAGLE heads (the learned row of the mask token, which the
+    prefix holds twice) and an MLP wider than the target's alike."""
     from eagle_train.decoding.lean_draft import LeanEagle3, lean_forward
     from eagle_train.modeling.eagle3 import Eagle3Head
     from eagle_train.modeling.peagle import PEagleHead
@@ -88,6 +88,7 @@ def test_lean_eagle3_forward_equals_head_forward(fc_norm, norm_output, kv_heads,
     torch.manual_seed(0)
     shape = config(kv_heads)
     shape.num_hidden_layers = layers
+    shape.intermediate_size = mlp or shape.intermediate_size  # draft.intermediate_size: a wider MLP
     if kind == "peagle":
         head = PEagleHead(shape, [0, 1, 2], 20, mask_token_id=7, fc_norm=fc_norm).eval()
         head.mask_embedding.data.normal_()  # unlike the embedding's own row 7

@@ -194,3 +194,35 @@ def test_the_mask_token_is_one_the_data_never_holds(target):
     for bad, why in ((0, "in the training data"), (1, "stop token"), (2, "stop token"), (V, "outside")):
         with pytest.raises(ValueError, match=f"draft.mask_token_id={bad} cannot be .*{why}"):
             choose_mask_token(tok, V, [1], held, explicit=bad)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+@torch.no_grad()
+def test_a_wider_mlp_is_the_heads_own_and_loads_back_from_its_exports(target, tmp_path, kind):
+    """draft.intermediate_size: the head's MLP width (the target's 172 by default); config.json records it,
+    so this project's checkpoint and the vLLM export load back as the same function."""
+    from eagle_train.config.draft import DraftConfig
+
+    cls = PEagleHead if kind == "peagle" else Eagle3Head
+    args = (MASK,) if kind == "peagle" else ()
+    torch.manual_seed(0)
+    head = cls.from_target(
+        target.config, [1, 2, 4], VD, *args, target=target, num_layers=2, intermediate_size=96
+    )
+    randomize(head)
+    head.eval()
+    default = make_head(target, kind)
+    assert default.midlayer.mlp.gate_proj.weight.shape == (172, 64)
+    assert head.midlayer.mlp.gate_proj.weight.shape == head.layers["1"].mlp.up_proj.weight.shape == (96, 64)
+    assert head.midlayer.mlp.down_proj.weight.shape == (64, 96)
+    ids, feats = inputs()
+    save_head(head, tmp_path / "head", {"target": "stories260k"})
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["intermediate_size"] == 96
+    out = export_head(head, "vllm", tmp_path / "vllm", META, speculative_tokens=5)
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96
+    for path in (tmp_path / "head", out):
+        loaded = load_draft(path, target)
+        assert loaded.config.intermediate_size == 96
+        torch.testing.assert_close(loaded(ids, feats), head(ids, feats))
+    with pytest.raises(ValueError, match="draft.intermediate_size must be >= 1"):
+        DraftConfig(type=kind, intermediate_size=0)
