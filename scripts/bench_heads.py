@@ -75,6 +75,8 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     # an MLP 4 x the target's (172 -> 688): more of the per-position compute a placeholder has
     "eagle3_mlp4x": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.intermediate_size=688"],
     "peagle_acc_r5_mlp4x": [*RECIPE_COD, "draft.intermediate_size=688"],
+    "peagle_acc_r5_mlp8x": [*RECIPE_COD, "draft.intermediate_size=1376"],
+    "peagle_acc_r5_2l_mlp4x": [*RECIPE_COD, "draft.num_layers=2", "draft.intermediate_size=688"],
 }
 TREE = ["decode.depth=7", "decode.top_k=10", "decode.total_tokens=80"]  # the demo's EAGLE-2 tree
 
