@@ -56,8 +56,8 @@ class Drafter:
             max(1, max_tree_inputs), int(config.hidden_size), dtype=self.dtype, device=self.device
         )
         self.root = self.hidden[:1]
-        self.parallel_logp: torch.Tensor | None = None  # P-EAGLE: [parallel, vocab], row k-1 for depth k + 1
-        # P-EAGLE: [parallel + 1, vocab], the root's children then parallel_logp (`expand.expand_parallel`)
+        # P-EAGLE: [parallel + 1, vocab], row k the distribution of the nodes at depth k + 1 below the root
+        # (row 0: the root's children, from the real pair; the rest from the placeholders)
         self.round_logp: torch.Tensor | None = None
         if parallel:
             mask_hidden = head.mask_hidden.detach().reshape(1, -1).to(self.dtype)  # [1, 3 d_t]
@@ -125,7 +125,6 @@ class Drafter:
             m - 1 : m
         ]  # [1, hidden]: the root's draft state, the parent of every depth-1 input
         self.round_logp = logp if extra else None
-        self.parallel_logp = logp[1:] if extra else None
         return logp[0]
 
     def rewind(self, committed: int) -> None:
@@ -148,10 +147,10 @@ class Drafter:
     ) -> torch.Tensor:
         """The tree draft step (see `decoding.expand`): inputs at `depth` below the root. P-EAGLE: the
         catch-up's placeholder row for depth + 1, one per input (no forward)."""
-        if self.parallel_logp is not None:
-            if depth > self.parallel_logp.shape[0]:
+        if self.round_logp is not None:
+            if depth >= self.round_logp.shape[0]:
                 raise ValueError(f"a tree {depth + 1} deep from {self.parallel} P-EAGLE placeholders")
-            return self.parallel_logp[depth - 1].expand(tokens.shape[0], -1)
+            return self.round_logp[depth].expand(tokens.shape[0], -1)
         m, base = tokens.shape[0], self.committed
         # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)
         features = self.root.expand(m, -1) if depth == 1 else self.hidden[parents]
