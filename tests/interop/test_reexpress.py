@@ -21,6 +21,12 @@ from tests.interop.test_layouts import head_outputs, make_head
 PROMPTS = [[1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426], [1, 365, 300, 280, 423, 268]]
 
 
+# Padded head dims change the matmuls' reduction lengths, so float32 rounding differs with the CPU's kernels
+# (1.2e-5 on logits, 2.7e-5 on head outputs measured on one machine, under 1e-5 on another); a wrong
+# re-expression (scale, head order, padding) differs by orders of magnitude more.
+ATOL = 1e-4
+
+
 @pytest.fixture(scope="module")
 def wide_target(target_cfg, tmp_path_factory):
     out = widen_model_dir(target_cfg.path, tmp_path_factory.mktemp("hd32") / "stories260K-hd32", 32)
@@ -55,8 +61,8 @@ def test_target_logits_equal(target, wide_target):
     ids = torch.tensor(PROMPTS[0]).unsqueeze(0)
     logits, hidden = target.features(ids)
     wide_logits, wide_hidden = wide_target.features(ids)
-    torch.testing.assert_close(wide_logits, logits, rtol=0, atol=1e-5)
-    torch.testing.assert_close(wide_hidden, hidden, rtol=0, atol=1e-5)
+    torch.testing.assert_close(wide_logits, logits, rtol=0, atol=ATOL)
+    torch.testing.assert_close(wide_hidden, hidden, rtol=0, atol=ATOL)
 
 
 def test_the_check_can_fail(target, wide_target):
@@ -74,7 +80,7 @@ def test_head_outputs_equal_and_decoding_identical(target, wide_target):
     head = make_head(target, fc_bias=True)
     wide = widen_head(head, 32)
     assert wide.config.head_dim == 32 and wide.layers[0].self_attn.q_proj.weight.shape == (256, 64)
-    torch.testing.assert_close(head_outputs(wide), head_outputs(head), rtol=0, atol=1e-5)
+    torch.testing.assert_close(head_outputs(wide), head_outputs(head), rtol=0, atol=ATOL)
     cfg = DecodeConfig(method="chain", chain_length=3, max_new_tokens=24)
     narrow = SpeculativeDecoder(target, head, cfg).generate(PROMPTS[1])
     widened = SpeculativeDecoder(wide_target, wide, cfg).generate(PROMPTS[1])
@@ -107,7 +113,7 @@ def test_eagle3_head_outputs_equal_and_decoding_identical(target, wide_target):
     assert wide.kind == "eagle3" and wide.config.head_dim == 32 and wide.aux_layers == head.aux_layers
     assert wide.midlayer.self_attn.q_proj.weight.shape == (256, 128) and torch.equal(wide.d2t, head.d2t)
     logits, tokens = outputs(wide)
-    torch.testing.assert_close(logits, outputs(head)[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, outputs(head)[0], rtol=0, atol=ATOL)
     cfg = DecodeConfig(method="chain", chain_length=3, max_new_tokens=24)
     narrow = SpeculativeDecoder(target, head, cfg).generate(PROMPTS[1])
     widened = SpeculativeDecoder(wide_target, wide, cfg).generate(PROMPTS[1])
