@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from eagle_train.families.specs import NOT_SERVED
+from eagle_train.families.specs import not_served
 
 METHODS = ("ar", "chain", "eagle1", "eagle2")  # the built-in methods whose greedy identity the tables count
 
 
 def _not_served(res: dict | None) -> bool:
     """The run failed with an error that specs.NOT_SERVED records for what vLLM's CPU build cannot serve."""
-    return res is not None and any(words in res.get("error", "") for words in NOT_SERVED.values())
+    return res is not None and not_served(res.get("error", ""))
 
 
 def _cell_error(res: dict | None) -> str | None:
