@@ -2,12 +2,15 @@
 `decode.shape=auto` chooses, and the EAGLE-2 tree it chooses (a P-EAGLE head: a tree from its one forward).
 
     python scripts/bench_chains.py NAME=HEAD_DIR [NAME=HEAD_DIR ...] [--chains 3,5,7,8] [--questions 20] [--out FILE]
-        [--compile-decode]
+        [--compile-decode] [--repeats 3]
 
 The decoders (ar, then per head: chain K for every K, chain at the chosen K, eagle2 at the chosen shape) answer
 the first `--questions` TinyStories prompts and mt_bench first turns (128 new tokens), each question by every
 decoder of every head in turn (evaluate.answer_question: the load of the moment falls on all alike, so the
-heads' tokens/s compare directly; greedy answers checked against ar's), after one untimed warm-up question. The shapes are chosen on held-out questions (the ones
+heads' tokens/s compare directly; greedy answers checked against ar's), after one untimed warm-up question.
+`--repeats R` answers each question R times, every pass starting at another decoder, and keeps per (question,
+decoder) the answer of median wall time (its draft time with it); a decoder whose answers differ between
+passes stops the run. The shapes are chosen on held-out questions (the ones
 after the first `--questions`) as the evaluate stage chooses them (autotune.shapes.tune_shapes, its cost
 curves cached beside --out). Per (bench, decoder): tau, acceptance by position, draft milliseconds per
 round (the draft phase: catch-up and draft steps), tokens/s, speedup over ar and greedy identity
@@ -69,11 +72,38 @@ def decoders(target, name: str, head, chains: list[int], shapes: dict) -> dict[s
     }
 
 
+def median_answers(
+    decoders: dict, renderer, question: Question, limit: int, index: int, repeats: int
+) -> list:
+    """`question` answered `repeats` times by every decoder, pass r of question `index` starting at decoder
+    (index * repeats + r) mod n, so no decoder is always first; per decoder the record of median wall time
+    (the lower middle one for an even count). Greedy decoders answer the same every pass (checked)."""
+    names = list(decoders)
+    passes: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(repeats):
+        shift = (index * repeats + r) % len(names)
+        order = {name: decoders[name] for name in names[shift:] + names[:shift]}
+        for record in answer_question(order, renderer, question, limit):
+            passes[record["method"]].append(record)
+    for name, mine in passes.items():
+        if any(m["tokens"] != mine[0]["tokens"] for m in mine):
+            raise AssertionError(
+                f"{name} answered question {question.question_id} differently between passes"
+            )
+    return [sorted(passes[name], key=lambda m: m["wall_s"])[(repeats - 1) // 2] for name in names]
+
+
 def sweep(
-    heads: dict[str, Path], chains: list[int], questions: int, cache: Path, compile_decode: bool = False
+    heads: dict[str, Path],
+    chains: list[int],
+    questions: int,
+    cache: Path,
+    compile_decode: bool = False,
+    repeats: int = 1,
 ) -> dict:
     """Every decoder of every head on every bench (module docstring); per head its rows and its choice.
-    `compile_decode`: the target's decode-time forwards run under torch.compile (target.compile_decode)."""
+    `compile_decode`: the target's decode-time forwards run under torch.compile (target.compile_decode);
+    `repeats`: passes per question (median_answers)."""
     target_cfg = OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml")
     target_cfg.compile_decode = compile_decode
     target = load_target(to_schema(target_cfg, TargetConfig))
@@ -95,9 +125,10 @@ def sweep(
     for bench in BENCHES:
         asked = load_questions(bench, questions, 1)
         answer_question(made, renderer, Question(asked[0].question_id, asked[0].turns[:1]), limit)  # warm-up
-        for question in asked:
+        for i, question in enumerate(asked):
             records += [
-                {"bench": bench_name(bench), **r} for r in answer_question(made, renderer, question, limit)
+                {"bench": bench_name(bench), **r}
+                for r in median_answers(made, renderer, question, limit, i, repeats)
             ]
     rows = summarize(records)
     for row in rows:
@@ -135,6 +166,7 @@ def main() -> None:
     )
     ap.add_argument("--chains", default="3,5,7,8")
     ap.add_argument("--questions", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=1, help="passes per question; the median answer is kept")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_results/chains.json", help="JSON result")
     ap.add_argument(
@@ -147,8 +179,14 @@ def main() -> None:
     start, load = time.perf_counter(), os.getloadavg()
     chains = [int(k) for k in args.chains.split(",")]
     costs = out.parent / "costs"
-    result = sweep({k: Path(v) for k, v in heads.items()}, chains, args.questions, costs, args.compile_decode)
-    result = {"heads": result, "seconds": time.perf_counter() - start, "loadavg": [load, os.getloadavg()]}
+    heads = {k: Path(v) for k, v in heads.items()}
+    result = sweep(heads, chains, args.questions, costs, args.compile_decode, args.repeats)
+    result = {
+        "heads": result,
+        "repeats": args.repeats,
+        "seconds": time.perf_counter() - start,
+        "loadavg": [load, os.getloadavg()],
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     for name, head in result["heads"].items():

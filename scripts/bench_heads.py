@@ -26,7 +26,8 @@
    and its EAGLE-2 tree (tau, acceptance by position, draft ms per round, tokens/s, speedup), and per
    benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's;
    --compile-decode runs that sweep with the target's decode forwards compiled (target.compile_decode:
-   the heads' forwards stay the lean eager ones), a sweep of its own.
+   the heads' forwards stay the lean eager ones), a sweep of its own; --repeats R answers every question R
+   times, each pass starting at another decoder, and times each answer by its median pass.
 
 The stages run as subprocesses with OMP_NUM_THREADS=1, --jobs heads at once (each head's calibration,
 training and evaluation in turn, one core each: heads run side by side meet the same phase of a shared
@@ -182,10 +183,14 @@ def chain_sweep(work: Path, runs: dict[str, Path], args: argparse.Namespace) -> 
     question decoded by every head in turn: the heads' tokens/s measured at the same moments."""
     tag = "_".join(run.name for run in runs.values())
     compiled = "_compiled" if args.compile_decode else ""
-    out = work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}{compiled}.json"
+    repeats = f"_r{args.repeats}" if args.repeats > 1 else ""
+    out = (
+        work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}{compiled}{repeats}.json"
+    )
     if not (args.reuse and out.is_file()):
         heads = [f"{name}={run / 'final'}" for name, run in runs.items()]
         script = [*heads, f"--chains={args.chains}", f"--questions={args.questions}", f"--out={out}"]
+        script += [f"--repeats={args.repeats}"]
         script += ["--compile-decode"] if args.compile_decode else []
         stage("scripts/bench_chains.py", script, work / "logs" / "chains.log", script=True)
     return json.loads(out.read_text())["heads"]
@@ -289,6 +294,12 @@ def main() -> None:
         "--compile-decode",
         action="store_true",
         help="--eval chains: the target's decode forwards under torch.compile (target.compile_decode)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--eval chains: passes per question (bench_chains.py --repeats)",
     )
     ap.add_argument("--calib-steps", type=int, default=40)
     ap.add_argument("--tolerance", type=float, default=0.15, help="accepted miss of the budget (fraction)")
