@@ -24,7 +24,8 @@
    scripts/bench_chains.py with ALL the heads in one process, each question decoded by every head's
    decoders in turn: the built-in decoder's chains of every K in --chains, the K decode.shape=auto chooses
    and its EAGLE-2 tree (tau, acceptance by position, draft ms per round, tokens/s, speedup), and per
-   benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's;
+   benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's and of
+   each P-EAGLE head's to the fastest EAGLE-3 head's;
    --compile-decode runs that sweep with the target's decode forwards compiled (target.compile_decode:
    the heads' forwards stay the lean eager ones), a sweep of its own; --repeats R answers every question R
    times, each pass starting at another decoder, and times each answer by its median pass.
@@ -238,22 +239,34 @@ def evaluations(work: Path, run: Path, args: argparse.Namespace, reuse: bool) ->
     return {**out, "run": str(run)}
 
 
-def best_chains(results: dict) -> list[str]:
+def best_chains(results: dict) -> tuple[list[str], dict]:
     """Per benchmark and head: the fastest chain (every K and the chosen one) by tokens/s, with its tau and
-    speedup, and its ratio to the first head's (tokens/s, and speedup: each over its own ar)."""
-    lines, first = [], {}
+    speedup, and its ratio to the first head's (tokens/s, and speedup: each over its own ar); then per
+    benchmark each P-EAGLE head's best chain over the fastest EAGLE-3 head's best (the P-EAGLE goal's ratio):
+    the printed lines, and those ratios as {bench: {P-EAGLE head: {"ratio", "eagle3"}}}."""
+    lines, first, best, goal = [], {}, {}, {}
     for name, r in results.items():
         for bench in ("tinystories", "mt_bench"):
             rows = [x for x in r["chains"]["rows"] if x["bench"] == bench and x["method"].startswith("chain")]
-            best = max(rows, key=lambda x: x["tokens_per_s"])
-            base = first.setdefault(bench, best)
+            best[name, bench] = top = max(rows, key=lambda x: x["tokens_per_s"])
+            base = first.setdefault(bench, top)
             lines.append(
-                f"{bench:12s} {name:14s} best {best['method']:11s} tau {best['tau']:.2f} "
-                f"{best['tokens_per_s']:6.0f} tok/s ({best['speedup']:.2f}x ar): "
-                f"{best['tokens_per_s'] / base['tokens_per_s']:.2f}x / {best['speedup'] / base['speedup']:.2f}x "
+                f"{bench:12s} {name:14s} best {top['method']:11s} tau {top['tau']:.2f} "
+                f"{top['tokens_per_s']:6.0f} tok/s ({top['speedup']:.2f}x ar): "
+                f"{top['tokens_per_s'] / base['tokens_per_s']:.2f}x / {top['speedup'] / base['speedup']:.2f}x "
                 f"the first head's"
             )
-    return lines
+    kinds = {name: r["chains"]["kind"] for name, r in results.items()}
+    for bench in ("tinystories", "mt_bench"):
+        eagle3 = [n for n, k in kinds.items() if k == "eagle3"]
+        if not eagle3:
+            continue
+        ref = max(eagle3, key=lambda n: best[n, bench]["tokens_per_s"])
+        for name in (n for n, k in kinds.items() if k == "peagle"):
+            ratio = best[name, bench]["tokens_per_s"] / best[ref, bench]["tokens_per_s"]
+            goal.setdefault(bench, {})[name] = {"ratio": ratio, "eagle3": ref}
+            lines.append(f"{bench:12s} {name} best chain / EAGLE-3's best ({ref}): {ratio:.3f}x")
+    return lines, goal
 
 
 def print_table(results: dict, stores: dict) -> None:
@@ -340,6 +353,7 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # each head: its own process, 1 thread
         done = pool.map(lambda name: budget_run(work, aux_store, name, args), names)
         results.update(zip(names, done, strict=True))
+    goal = {}
     if "chains" in args.eval:
         from bench_chains import print_rows  # scripts/ is on the path of a script run
 
@@ -347,7 +361,8 @@ def main() -> None:
         for name, r in results.items():
             r["chains"] = swept[name]
             print_rows(name, r["chains"])
-        print("\n" + "\n".join(best_chains(results)))
+        lines, goal = best_chains(results)
+        print("\n" + "\n".join(lines))
     print_table(results, stores)
     record = {
         "args": vars(args),
@@ -355,6 +370,7 @@ def main() -> None:
         "store_bytes_per_token": stores,
         "store_counts": aux_counts,
         "results": results,
+        "peagle_over_eagle3": goal,
         "loadavg": {"start": load, "end": os.getloadavg()},
     }
     print(f"load average: start {load[0]:.1f}, end {os.getloadavg()[0]:.1f} (1 min)")
