@@ -10,9 +10,8 @@ decoder of every head in turn (evaluate.answer_question: the load of the moment 
 heads' tokens/s compare directly; greedy answers checked against ar's), after one untimed warm-up question.
 `--repeats R` answers each question R times, every pass starting at another decoder, and keeps per (question,
 decoder) the answer of median wall time (its draft time with it); a decoder whose answers differ between
-passes stops the run. The shapes are chosen on held-out questions (the ones
-after the first `--questions`) as the evaluate stage chooses them (autotune.shapes.tune_shapes, its cost
-curves cached beside --out). Per (bench, decoder): tau, acceptance by position, draft milliseconds per
+passes stops the run. The shapes are chosen on held-out questions (the ones after the first `--questions`)
+as the evaluate stage chooses them (autotune.shapes.tune_shapes, its cost curves cached beside --out). Per (bench, decoder): tau, acceptance by position, draft milliseconds per
 round (the draft phase: catch-up and draft steps), tokens/s, speedup over ar and greedy identity
 (report.summarize). Writes --out (JSON) and prints the table.
 """
