@@ -11,9 +11,10 @@ heads' tokens/s compare directly; greedy answers checked against ar's), after on
 `--repeats R` answers each question R times, every pass starting at another decoder, and keeps per (question,
 decoder) the answer of median wall time (its draft time with it); a decoder whose answers differ between
 passes stops the run. The shapes are chosen on held-out questions (the ones after the first `--questions`)
-as the evaluate stage chooses them (autotune.shapes.tune_shapes, its cost curves cached beside --out). Per (bench, decoder): tau, acceptance by position, draft milliseconds per
-round (the draft phase: catch-up and draft steps), tokens/s, speedup over ar and greedy identity
-(report.summarize). Writes --out (JSON) and prints the table.
+as the evaluate stage chooses them (autotune.shapes.tune_shapes, its cost curves cached beside --out).
+Per (bench, decoder): tau, acceptance by position, draft milliseconds per round (the draft phase: catch-up
+and draft steps), tokens/s, speedup over ar and greedy identity (report.summarize). Writes --out (JSON) and
+prints the table.
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ def main() -> None:
         "--compile-decode", action="store_true", help="the target's decode forwards under torch.compile"
     )
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats takes a count of passes >= 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     heads = dict(spec.split("=", 1) for spec in args.heads)
     out = Path(args.out)

@@ -257,12 +257,11 @@ def best_chains(results: dict) -> tuple[list[str], dict]:
                 f"the first head's"
             )
     kinds = {name: r["chains"]["kind"] for name, r in results.items()}
-    for bench in ("tinystories", "mt_bench"):
-        eagle3 = [n for n, k in kinds.items() if k == "eagle3"]
-        if not eagle3:
-            continue
+    eagle3 = [n for n, k in kinds.items() if k == "eagle3"]
+    peagle = [n for n, k in kinds.items() if k == "peagle"]
+    for bench in ("tinystories", "mt_bench") if eagle3 else ():
         ref = max(eagle3, key=lambda n: best[n, bench]["tokens_per_s"])
-        for name in (n for n, k in kinds.items() if k == "peagle"):
+        for name in peagle:
             ratio = best[name, bench]["tokens_per_s"] / best[ref, bench]["tokens_per_s"]
             goal.setdefault(bench, {})[name] = {"ratio": ratio, "eagle3": ref}
             lines.append(f"{bench:12s} {name} best chain / EAGLE-3's best ({ref}): {ratio:.3f}x")
@@ -320,6 +319,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="keep what --work already holds")
     ap.add_argument("--out", default=str(REPO / "bench_results" / "heads.json"))
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats takes a count of passes >= 1, got {args.repeats}")
     if not set(args.eval.split(",")) <= {"tree", "chains"}:
         raise SystemExit(f"--eval takes tree and/or chains, got {args.eval!r}")
     load = os.getloadavg()
