@@ -26,8 +26,8 @@
    and its EAGLE-2 tree (tau, acceptance by position, draft ms per round, tokens/s, speedup), and per
    benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's and of
    each P-EAGLE head's to the fastest EAGLE-3 head's;
-   --compile-decode runs that sweep with the target's decode forwards compiled (target.compile_decode:
-   the heads' forwards stay the lean eager ones), a sweep of its own; --repeats R answers every question R
+   --compile-decode runs that sweep with the target's decode forwards compiled (target.compile_decode,
+   inductor's C++ wrapper on a CPU: the heads' forwards stay the lean eager ones), a sweep of its own; --repeats R answers every question R
    times, each pass starting at another decoder, and times each answer by its median pass.
 
 The stages run as subprocesses with OMP_NUM_THREADS=1, --jobs heads at once (each head's calibration,
@@ -183,7 +183,9 @@ def chain_sweep(work: Path, runs: dict[str, Path], args: argparse.Namespace) -> 
     """scripts/bench_chains.py on every head trained (name -> run), all in one process (one thread), each
     question decoded by every head in turn: the heads' tokens/s measured at the same moments."""
     tag = "_".join(run.name for run in runs.values())
-    compiled = "_compiled" if args.compile_decode else ""
+    # the compiled target runs inductor's C++ wrapper here (target.compile_cpp_wrapper, on a CPU); a sweep
+    # cached before that option ("_compiled") timed the Python one and is not reused for this
+    compiled = "_compiled_cpp" if args.compile_decode else ""
     repeats = f"_r{args.repeats}" if args.repeats > 1 else ""
     out = (
         work / "chains" / f"{tag}_q{args.questions}_k{args.chains.replace(',', '-')}{compiled}{repeats}.json"

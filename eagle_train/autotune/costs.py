@@ -111,11 +111,12 @@ def cost_key(
 ) -> dict[str, Any]:
     """What cost curves hold for: (target, device, threads, dtype) and the head's shape, the context
     length and the grid. The one home of that rule (the cache file name is a hash of it). A target whose
-    decoder runs compiled (target.compile_decode) is another key (absent otherwise: older files stay valid)."""
+    decoder runs compiled (target.compile_decode) is another key, and each inductor wrapper it runs another
+    (`Target.compile_options`; absent uncompiled: older files stay valid)."""
     compiled = bool(getattr(getattr(target, "cfg", None), "compile_decode", False))
     parallel = getattr(head, "kind", None) == "peagle"  # drafts in its catch-up: other curves
     return {
-        **({"compile_decode": True} if compiled else {}),
+        **({"compile_decode": True, **target.compile_options} if compiled else {}),
         **({"head_kind": "peagle"} if parallel else {}),
         "version": COSTS_VERSION,
         "target": _architecture(target.config),

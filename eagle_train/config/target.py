@@ -43,6 +43,10 @@ class TargetConfig:
     # its ratio stays honest): dynamic shapes, one graph for single-token steps and one for the rest. Off
     # by default: minutes of compile time per process on a CPU (eagle_train.modeling.target.Target.decode)
     compile_decode: bool = False
+    # compile_decode with inductor's C++ wrapper (the code that calls a graph's kernels, in Python by default):
+    # null = on when the decoder runs on the CPU, where that Python is much of a small target's step; true or
+    # false forces it (a C++ compiler is needed either way on a CPU; a GPU build needs one only with true)
+    compile_cpp_wrapper: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -174,15 +174,17 @@ def test_the_cost_cache_is_keyed_and_reused(target, trained_head, costs, tmp_pat
         other_threads = cost_key(target, trained_head, 32, 24, 4, 4, 1)
     finally:
         torch.set_num_threads(threads)
-    # ... and so is a compiled decoder (target.compile_decode: other forward times)
+    # ... and so is a compiled decoder (target.compile_decode: other forward times), under each wrapper
     compiled = replace(target, cfg=replace(target.cfg, compile_decode=True))
+    python_wrapper = replace(target, cfg=replace(target.cfg, compile_decode=True, compile_cpp_wrapper=False))
     others = [
         other_threads,
         cost_key(target, trained_head, 64, 24, 4, 4, 1),
         {**key, "dtype": "bfloat16"},
         cost_key(compiled, trained_head, 32, 24, 4, 4, 1),
+        cost_key(python_wrapper, trained_head, 32, 24, 4, 4, 1),
     ]
-    assert len({cache_path(tmp_path, k) for k in [key, *others]}) == 5
+    assert len({cache_path(tmp_path, k) for k in [key, *others]}) == 6
     # a file whose key was edited is measured again
     stored["key"]["context"] = 99
     cache_path(tmp_path, key).write_text(json.dumps(stored))

@@ -330,11 +330,21 @@ def test_greedy_identity_on_cuda(target_cfg, trained_head):
         trained_head.to("cpu")
 
 
+def test_compiled_decoder_takes_the_cpp_wrapper_on_a_cpu(target):
+    """target.compile_cpp_wrapper: null (the default) is inductor's C++ wrapper on a CPU target; true / false
+    force it either way (test_compiled_decode_equals_stock decodes through the default)."""
+    assert target.cfg.compile_cpp_wrapper is None
+    assert target.compile_options == {"cpp_wrapper": True}
+    for forced in (True, False):
+        pinned = replace(target, cfg=replace(target.cfg, compile_cpp_wrapper=forced))
+        assert pinned.compile_options == {"cpp_wrapper": forced}
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_stock(target, target_cfg, trained_head):
-    """target.compile_decode: the compiled decoder's logits and features on a tree equal the stock
-    forward's, and greedy EAGLE-2 on it (and the ar baseline on it) is plain decoding's output token for
-    token. Minutes: two graphs (one-token steps, the rest) are compiled."""
+    """target.compile_decode (on this CPU through inductor's C++ wrapper): the compiled decoder's logits and
+    features on a tree equal the stock forward's, and greedy EAGLE-2 on it (and the ar baseline on it) is
+    plain decoding's output token for token. Minutes: two graphs (one-token steps, the rest) are compiled."""
     compiled = load_target(replace(target_cfg, compile_decode=True))
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(3, 500, (1, 11), generator=g)
