@@ -27,8 +27,9 @@
    benchmark the ratio of each head's best chain tokens/s (and best speedup) to the first head's and of
    each P-EAGLE head's to the fastest EAGLE-3 head's;
    --compile-decode runs that sweep with the target's decode forwards compiled (target.compile_decode,
-   inductor's C++ wrapper on a CPU: the heads' forwards stay the lean eager ones), a sweep of its own; --repeats R answers every question R
-   times, each pass starting at another decoder, and times each answer by its median pass.
+   inductor's C++ wrapper on a CPU: the heads' forwards stay the lean eager ones), a sweep of its own;
+   --repeats R answers every question R times, each pass starting at another decoder, and times each
+   answer by its median pass.
 
 The stages run as subprocesses with OMP_NUM_THREADS=1, --jobs heads at once (each head's calibration,
 training and evaluation in turn, one core each: heads run side by side meet the same phase of a shared

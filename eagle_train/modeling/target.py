@@ -432,11 +432,9 @@ class Target(TargetParts):
     def compile_options(self) -> dict[str, bool]:
         """Inductor's options for the compiled decoder: its C++ wrapper where target.compile_cpp_wrapper
         says so (null: on a CPU). The kernels are the same either way; only the calls between them move out
-        of Python (stories260K, one thread: `ar` 1.2-1.5x faster in tokens/s, docs/benchmarks.md)."""
+        of Python (stories260K, one thread: `ar` 5-8% faster in tokens/s, docs/benchmarks.md)."""
         cpp = self.cfg.compile_cpp_wrapper
-        if cpp is None:
-            cpp = self.lm_head.weight.device.type == "cpu"
-        return {"cpp_wrapper": bool(cpp)}
+        return {"cpp_wrapper": self.device.type == "cpu" if cpp is None else bool(cpp)}
 
 
 def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
