@@ -93,6 +93,30 @@ def median_answers(
     return [sorted(passes[name], key=lambda m: m["wall_s"])[(repeats - 1) // 2] for name in names]
 
 
+def bench_target(**fields):
+    """stories260K as every bench here loads it (conf/target/stories260k.yaml), `fields` set on its config."""
+    cfg = OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml")
+    for key, value in fields.items():
+        setattr(cfg, key, value)
+    return load_target(to_schema(cfg, TargetConfig))
+
+
+def answer_benches(made: dict, renderer, limit: int, questions: int, repeats: int, warmups: int = 1) -> list:
+    """The first `questions` of every bench (first turns) answered by every decoder (median_answers), after
+    `warmups` untimed answers of the bench's first question; the records tagged with their bench."""
+    records = []
+    for bench in BENCHES:
+        asked = load_questions(bench, questions, 1)
+        for _ in range(warmups):
+            answer_question(made, renderer, Question(asked[0].question_id, asked[0].turns[:1]), limit)
+        for i, question in enumerate(asked):
+            records += [
+                {"bench": bench_name(bench), **r}
+                for r in median_answers(made, renderer, question, limit, i, repeats)
+            ]
+    return records
+
+
 def sweep(
     heads: dict[str, Path],
     chains: list[int],
@@ -104,9 +128,7 @@ def sweep(
     """Every decoder of every head on every bench (module docstring); per head its rows and its choice.
     `compile_decode`: the target's decode-time forwards run under torch.compile (target.compile_decode);
     `repeats`: passes per question (median_answers)."""
-    target_cfg = OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml")
-    target_cfg.compile_decode = compile_decode
-    target = load_target(to_schema(target_cfg, TargetConfig))
+    target = bench_target(compile_decode=compile_decode)
     renderer = ChatRenderer(target.tokenizer, target.cfg, target.max_len)
     limit = target.max_len - NEW_TOKENS
     made = {"ar": SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW_TOKENS))}
@@ -121,15 +143,7 @@ def sweep(
         }
         loaded[name]["chosen"] = shapes
         made.update(decoders(target, name, head, chains, shapes))
-    records = []
-    for bench in BENCHES:
-        asked = load_questions(bench, questions, 1)
-        answer_question(made, renderer, Question(asked[0].question_id, asked[0].turns[:1]), limit)  # warm-up
-        for i, question in enumerate(asked):
-            records += [
-                {"bench": bench_name(bench), **r}
-                for r in median_answers(made, renderer, question, limit, i, repeats)
-            ]
+    records = answer_benches(made, renderer, limit, questions, repeats)
     rows = summarize(records)
     for row in rows:
         mine = [r for r in records if (r["bench"], r["method"]) == (row["bench"], row["method"])]

@@ -22,21 +22,15 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from eagle_train.config.base import CONF_DIR, to_schema
 from eagle_train.config.decode import DecodeConfig
-from eagle_train.config.target import TargetConfig
-from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.evaluate import answer_question
 from eagle_train.interop.layouts import load_draft
-from eagle_train.modeling.target import load_target
 from eagle_train.report.results import summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_chains import BENCHES, NEW_TOKENS, median_answers  # noqa: E402
+from bench_chains import NEW_TOKENS, answer_benches, bench_target  # noqa: E402
 
 WRAPPERS = {"py": False, "cpp": True}
 
@@ -45,9 +39,7 @@ def decoders(heads: dict[str, tuple[Path, int]]) -> tuple[dict[str, SpeculativeD
     """`ar` (the Python wrapper's), `cpp/ar`, and `py/NAME`, `cpp/NAME` per head: its chain of K."""
     made = {}
     for wrapper, cpp in WRAPPERS.items():
-        cfg = OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml")
-        cfg.compile_decode, cfg.compile_cpp_wrapper = True, cpp
-        target = load_target(to_schema(cfg, TargetConfig))
+        target = bench_target(compile_decode=True, compile_cpp_wrapper=cpp)
         ar = "ar" if wrapper == "py" else f"{wrapper}/ar"
         made[ar] = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW_TOKENS))
         for name, (head_dir, k) in heads.items():
@@ -59,16 +51,8 @@ def decoders(heads: dict[str, tuple[Path, int]]) -> tuple[dict[str, SpeculativeD
 
 def compare(made: dict, renderer: ChatRenderer, limit: int, questions: int, repeats: int) -> list[dict]:
     """Per (bench, decoder): tau, tokens/s and greedy identity under each wrapper, and the ratio."""
-    records = []
-    for bench in BENCHES:
-        asked = load_questions(bench, questions, 1)
-        for _ in range(2):  # warm-up: the graphs of every query width compiled before any timing
-            answer_question(made, renderer, Question(asked[0].question_id, asked[0].turns[:1]), limit)
-        for i, question in enumerate(asked):
-            records += [
-                {"bench": bench_name(bench), **r}
-                for r in median_answers(made, renderer, question, limit, i, repeats)
-            ]
+    # two warm-ups: the graphs of every query width compiled before any timing
+    records = answer_benches(made, renderer, limit, questions, repeats, warmups=2)
     rows = {(r["bench"], r["method"]): r for r in summarize(records)}
     out = []
     for (bench, method), row in rows.items():
