@@ -35,6 +35,7 @@ from eagle_train.config.target import TargetConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.timing import median_pass, pass_orders
 from eagle_train.evaluate import answer_question, fit_prompt
 from eagle_train.interop.layouts import load_draft
 from eagle_train.modeling.target import load_target
@@ -75,22 +76,22 @@ def decoders(target, name: str, head, chains: list[int], shapes: dict) -> dict[s
 def median_answers(
     decoders: dict, renderer, question: Question, limit: int, index: int, repeats: int
 ) -> list:
-    """`question` answered `repeats` times by every decoder, pass r of question `index` starting at decoder
-    (index * repeats + r) mod n, so no decoder is always first; per decoder the record of median wall time
-    (the lower middle one for an even count). Greedy decoders answer the same every pass (checked)."""
+    """`question` answered `repeats` times by every decoder, in the rotating orders of question `index`
+    (decoding.timing.pass_orders: no decoder is always first); per decoder the record of median wall time
+    (decoding.timing.median_pass). Greedy decoders answer the same every pass (checked)."""
     names = list(decoders)
     passes: dict[str, list[dict]] = {name: [] for name in names}
-    for r in range(repeats):
-        shift = (index * repeats + r) % len(names)
-        order = {name: decoders[name] for name in names[shift:] + names[:shift]}
-        for record in answer_question(order, renderer, question, limit):
+    for order in pass_orders(len(names), index, repeats):
+        for record in answer_question(
+            {names[j]: decoders[names[j]] for j in order}, renderer, question, limit
+        ):
             passes[record["method"]].append(record)
     for name, mine in passes.items():
         if any(m["tokens"] != mine[0]["tokens"] for m in mine):
             raise AssertionError(
                 f"{name} answered question {question.question_id} differently between passes"
             )
-    return [sorted(passes[name], key=lambda m: m["wall_s"])[(repeats - 1) // 2] for name in names]
+    return [median_pass(passes[name], lambda m: m["wall_s"]) for name in names]
 
 
 def bench_target(**fields):

@@ -2,8 +2,8 @@
 decode.shape=auto chooses, on TinyStories prompts and mt_bench.
 
 All methods run side by side in one process: for every prompt each method generates in turn (R
-repeats, median time per prompt and method; each pass starts at another method, so no method is always
-first), so a busy shared CPU slows them alike. Tokens/s =
+repeats, per prompt and method the pass of median time kept with its statistics; each pass starts at
+another method, so no method is always first: decoding.timing), so a busy shared CPU slows them alike. Tokens/s =
 generated tokens / sum of median times; speedup = tokens/s over the AR baseline's (same harness,
 same cache code). Per round: draft / verify / other milliseconds (other = the rest of the wall time:
 prefill, the decoder's own loop). `overhead` = wall time outside the target and draft forwards / wall time.
@@ -45,6 +45,7 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.data.prompts import load_questions
 from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.timing import median_pass, pass_orders
 from eagle_train.evaluate import fit_prompt
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import load_head, save_head
@@ -137,22 +138,20 @@ def time_methods(target, head, prompts, methods, max_new_tokens: int, repeats: i
             HFGenerate(target, cfg) if cfg.method == "hf" else SpeculativeDecoder(target, head, cfg)
         )
     names = list(decoders)
-    step = max(1, len(names) // max(1, len(prompts) * repeats))
+    step = max(1, len(names) // max(1, len(prompts) * repeats))  # a sweep: spread the first methods
     for i, prompt in enumerate(prompts):
         runs: dict[str, list] = {name: [] for name in methods}
-        for r in range(repeats):  # round-robin, so a burst of load on the shared CPU hits every method
-            # ... starting at another method each pass, so a drift of the load within a long round (a sweep)
-            # does not always favour the same methods
-            shift = (i * repeats + r) * step % len(names)
-            for name in names[shift:] + names[:shift]:
-                runs[name].append(decoders[name].generate(prompt))
+        for order in pass_orders(len(names), i, repeats, step):  # round-robin from a rotating first method
+            for j in order:
+                runs[names[j]].append(decoders[names[j]].generate(prompt))
         reference = runs["ar"][0].tokens if "ar" in runs else None
         for name, rs in runs.items():
             if reference is not None and rs[0].tokens != reference:
                 raise AssertionError(f"{name} output differs from the AR baseline on prompt {i}")
-            results[name]["times"].append(statistics.median(r.stats.time_total for r in rs))
-            results[name]["tokens"] += len(rs[0].tokens)
-            results[name]["stats"].append(rs[len(rs) // 2].stats)
+            median = median_pass(rs, lambda r: r.stats.time_total)
+            results[name]["times"].append(median.stats.time_total)
+            results[name]["tokens"] += len(median.tokens)
+            results[name]["stats"].append(median.stats)
     return results
 
 

@@ -17,7 +17,6 @@ top_k) pairs, side by side, and the EAGLE-2 choice is the one that measured fast
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from eagle_train.autotune.costs import CostCurves, cache_path, cached_costs, cos
 from eagle_train.autotune.replay import Calibration, auto_tree_paths, calibrate, greedy_sequences, replay_tau
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.timing import median_pass, pass_orders
 
 
 @dataclass
@@ -261,9 +261,8 @@ def race_shapes(
     seconds, tokens, rounds = [0.0] * len(decoders), [0] * len(decoders), [[0, 0] for _ in decoders]
     for i, prompt in enumerate(prompts):
         times: list[list[float]] = [[] for _ in decoders]
-        for r in range(repeats):
-            shift = (i * repeats + r) % len(decoders)
-            for j in list(range(shift, len(decoders))) + list(range(shift)):
+        for r, order in enumerate(pass_orders(len(decoders), i, repeats)):
+            for j in order:
                 stats = decoders[j].generate(prompt).stats
                 times[j].append(stats.time_total - stats.time_prefill)
                 if r == 0:
@@ -271,7 +270,7 @@ def race_shapes(
                     rounds[j][0] += stats.rounds
                     rounds[j][1] += sum(a + 1 for a in stats.accepted_per_round)
         for j, t in enumerate(times):
-            seconds[j] += statistics.median(t)
+            seconds[j] += median_pass(t)
     out = [
         {
             **c,

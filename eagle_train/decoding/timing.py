@@ -18,6 +18,7 @@ around it, added as it ends.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,3 +80,28 @@ class _Phase:
 
     def __exit__(self, *exc) -> None:
         self.timer.stop(self.name, self.begun)
+
+
+# ---- timing decoders against each other on a shared machine ---------------------------------------------
+
+
+def pass_orders(count: int, index: int, repeats: int, step: int = 1) -> list[list[int]]:
+    """The order of each of `repeats` passes in which `count` decoders answer item `index` (a prompt) in turn:
+    pass r starts at decoder (index * repeats + r) * step mod count, so a burst of load on a shared machine
+    falls on every decoder and a drift of the load within a pass does not always favour the same ones
+    (`step` > 1 spreads the first decoders when there are more decoders than passes)."""
+    if count < 1 or repeats < 1:
+        raise ValueError(f"pass_orders needs a decoder and a pass, got {count} decoders, {repeats} passes")
+    orders = []
+    for r in range(repeats):
+        shift = (index * repeats + r) * step % count
+        orders.append(list(range(shift, count)) + list(range(shift)))
+    return orders
+
+
+def median_pass(passes: list, seconds: Callable[[Any], float] = float) -> Any:
+    """The pass of median `seconds` among `passes` (the lower middle one for an even count): one real
+    pass, so its time and its statistics belong together."""
+    if not passes:
+        raise ValueError("median_pass of no passes")
+    return sorted(passes, key=seconds)[(len(passes) - 1) // 2]

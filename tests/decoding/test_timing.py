@@ -9,7 +9,7 @@ import torch
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.stats import GenerationStats
-from eagle_train.decoding.timing import PhaseTimer
+from eagle_train.decoding.timing import PhaseTimer, median_pass, pass_orders
 from tests.decoding.test_decoder import prompts
 
 METHODS = {
@@ -70,3 +70,28 @@ def test_the_cuda_decoder_synchronises_once_per_generation(target_cfg, method, m
         stats = decoder.generate(prompt).stats
         assert len(calls) == i + 1, f"{len(calls)} synchronisations after {i + 1} generations"
         consistent(stats, method != "ar")
+
+
+def test_every_pass_visits_each_decoder_once_and_the_first_rotates():
+    for count, repeats, step in [(3, 3, 1), (4, 2, 1), (7, 3, 2), (1, 2, 1)]:
+        firsts = []
+        for index in range(count):
+            orders = pass_orders(count, index, repeats, step)
+            assert len(orders) == repeats
+            for order in orders:
+                assert sorted(order) == list(range(count))  # a pass is a permutation
+                assert order == order[:1] + [(order[0] + k) % count for k in range(1, count)]  # a rotation
+            firsts += [order[0] for order in orders]
+        # over `count` items every decoder starts equally often (step coprime to count here)
+        assert sorted(firsts) == sorted(list(range(count)) * repeats)
+    with pytest.raises(ValueError, match="needs a decoder and a pass"):
+        pass_orders(0, 0, 3)
+
+
+def test_the_median_pass_is_one_real_pass_the_lower_middle_for_an_even_count():
+    passes = [{"s": 3.0, "id": "a"}, {"s": 1.0, "id": "b"}, {"s": 2.0, "id": "c"}]
+    assert median_pass(passes, lambda p: p["s"])["id"] == "c"
+    assert median_pass(passes + [{"s": 9.0, "id": "d"}], lambda p: p["s"])["id"] == "c"  # not an average
+    assert median_pass([0.4, 0.1]) == 0.1
+    with pytest.raises(ValueError, match="no passes"):
+        median_pass([])
