@@ -3,8 +3,8 @@ decode.shape=auto chooses, on TinyStories prompts and mt_bench.
 
 All methods run side by side in one process: for every prompt each method generates in turn (R
 repeats, per prompt and method the pass of median time kept with its statistics; each pass starts at
-another method, so no method is always first: decoding.timing), so a busy shared CPU slows them alike. Tokens/s =
-generated tokens / sum of median times; speedup = tokens/s over the AR baseline's (same harness,
+another method, so no method is always first: decoding.timing), so a busy shared CPU slows them alike.
+Tokens/s = generated tokens / sum of median times; speedup = tokens/s over the AR baseline's (same harness,
 same cache code). Per round: draft / verify / other milliseconds (other = the rest of the wall time:
 prefill, the decoder's own loop). `overhead` = wall time outside the target and draft forwards / wall time.
 
