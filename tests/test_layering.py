@@ -15,7 +15,7 @@ its layer allows (LAYERS: the first matching prefix wins, so specific names come
                  + safetensors
   3 stage pieces the rest of training/*, autotune/* (it times this machine and caches what it measured),
                  diagnostics/*            torch, numpy (accelerate objects come in as arguments)
-  4 stages       extract, train, evaluate, regenerate, export, pipeline, cli (the Hydra edge): the only
+  4 stages       extract, train, evaluate, regenerate, export, pipeline, fetch, cli (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `cli`.
 docs/ARCHITECTURE.md's layers table lists the same prefixes per layer, and its tree every module.
 """
@@ -31,7 +31,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle_train"
 ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
-STAGES = {"extract", "train", "evaluate", "regenerate", "export", "pipeline"}
+STAGES = {"extract", "train", "evaluate", "regenerate", "export", "pipeline", "fetch"}
 PURE = 1
 # module (or package prefix) -> layer; the first matching prefix wins, so list specific names first
 LAYERS: list[tuple[str, int]] = [
@@ -75,6 +75,7 @@ EXTRA = {
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
     "engines.vllm_cli": {"vllm"},  # likewise: the `vllm` command
     "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
+    "modeling.gguf": {"gguf"},  # GGUF targets (the optional gguf package)
     "modeling": {"transformers"},
     "interop": {"transformers"},
     "families": {"transformers"},  # tiny family instances built with transformers' own config classes

