@@ -25,6 +25,7 @@ from typing import Any
 
 from eagle_train.config.base import PACKAGE_DIR
 from eagle_train.report.results import add_spec_counts, spec_counts
+from eagle_train.runtime.errors import UserError
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -44,7 +45,7 @@ ERROR_LINE = re.compile(
 DETAIL_LINE = re.compile(r"^\s+(?!File |\^)(?P<detail>\S.*)$")  # an indented line that explains the error
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """vLLM could not run the request (the message carries vLLM's own error and the log's path)."""
 
 

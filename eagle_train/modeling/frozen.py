@@ -37,6 +37,7 @@ from eagle_train.modeling.target import (
     torch_dtype,
 )
 from eagle_train.runtime.atomic_files import cached_sha256
+from eagle_train.runtime.errors import InputError
 
 # (file, format) in the order Hugging Face prefers them
 WEIGHT_FILES = (
@@ -47,7 +48,7 @@ WEIGHT_FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """The target's checkpoint files lack what is asked for (the message names the file and the key)."""
 
 

@@ -22,14 +22,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from eagle_train.runtime.errors import InputError
+
 PARTIAL = ".partial-"  # marks a temporary name: `.NAME.partial-XXXXXXXX[suffix]`
 
 
-class FileFormatError(ValueError):
+class FileFormatError(InputError):
     """A file this project wrote (or reads as metadata) is not what it should be; names the file."""
 
 
-class OutputError(ValueError):
+class OutputError(InputError):
     """An output path holds something the command did not write (or cannot be written); names the file."""
 
 

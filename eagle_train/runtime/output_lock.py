@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from eagle_train.runtime.errors import UserError
 
-class LockedError(RuntimeError):
+
+class LockedError(UserError, RuntimeError):
     """Another process holds the lock on an output; the message names it."""
 
 

@@ -38,6 +38,7 @@ from eagle_train.runtime.atomic_files import (
     file_sha256,
     read_json,
 )
+from eagle_train.runtime.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_PREFIX = "damaged-"
@@ -52,7 +53,7 @@ FREE_SETTINGS = (
 )  # fmt: skip
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written, or one on disk is damaged; names the directory and why."""
 
 
