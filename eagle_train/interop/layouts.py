@@ -51,7 +51,7 @@ from eagle_train.modeling.head_checkpoint import (
     read_head_weights,
 )
 from eagle_train.modeling.target import DTYPE_NAMES
-from eagle_train.runtime.atomic_files import atomic_write_dir, atomic_write_into, read_json
+from eagle_train.runtime.atomic_files import atomic_write_dir, atomic_write_into, check_output_dir, read_json
 
 log = logging.getLogger(__name__)
 
@@ -290,24 +290,16 @@ def exported_format(out_dir: Path) -> str | None:
 
 
 def check_export_dir(out_dir: Path, fmt: str, overwrite: bool) -> bool:
-    """Whether `out_dir` can be replaced whole: it does not exist, or holds exactly an earlier `fmt`
-    export. An empty directory, or any directory with `overwrite`, is written into (False). Anything
-    else is refused: export never deletes files it did not write."""
-    if not out_dir.exists():
-        return True
-    if not out_dir.is_dir():
-        raise FileExistsError(f"export: {out_dir} exists and is not a directory")
-    entries = sorted(p.name for p in out_dir.iterdir())
-    if entries and set(entries) <= set(LAYOUT_FILES[fmt]) and exported_format(out_dir) == fmt:
-        return True
-    if not entries or overwrite:
-        return False
-    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    raise FileExistsError(
-        f"export: {out_dir} is not empty and is not an earlier format={fmt} export (it holds {shown}); "
-        f"choose a new or empty directory, or pass overwrite=true, which writes "
-        f"{' and '.join(LAYOUT_FILES[fmt])} there and deletes nothing else"
-    )
+    """Whether `out_dir` is replaced whole (`check_output_dir`): it does not exist or holds exactly an
+    earlier `fmt` export. An empty directory, or any directory with `overwrite`, is written into (False).
+    Anything else is refused: export never deletes files it did not write."""
+
+    def own() -> bool:
+        entries = {p.name for p in out_dir.iterdir()}
+        return entries <= set(LAYOUT_FILES[fmt]) and exported_format(out_dir) == fmt
+
+    writes = " and ".join(LAYOUT_FILES[fmt])
+    return check_output_dir(out_dir, own, overwrite, f"an earlier format={fmt} export", writes)
 
 
 def load_input_embedding(source: str | Path) -> torch.Tensor:

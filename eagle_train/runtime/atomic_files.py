@@ -202,6 +202,36 @@ def check_output_file(
     return False
 
 
+def check_output_dir(
+    out: Path, own: Callable[[], bool], overwrite: bool, what: str, writes: str, flag: str = "overwrite=true"
+) -> bool:
+    """The rule of every command that writes one output directory (export, the re-expression): nothing of
+    the user's is removed unless the user says so. Returns True when `out` is replaced whole: it does not
+    exist, or it is the command's own earlier output (`own()`: `what`, e.g. "an earlier format=vllm
+    export"), or, with `overwrite`, a file or link stands in its place. Returns False when the files
+    (`writes`) are written into it and nothing else there is touched: an empty directory, or with
+    `overwrite` any other directory. Anything else is an OutputError naming what `out` holds and the
+    command's `flag` that would overwrite it."""
+    if not (out.exists() or out.is_symlink()):
+        return True
+    if out.is_symlink() or not out.is_dir():
+        if overwrite:
+            return True
+        raise OutputError(
+            f"{out} exists and is not a directory: choose another output, or pass {flag} to replace it"
+        )
+    entries = sorted(p.name for p in out.iterdir())
+    if entries and own():
+        return True
+    if not entries or overwrite:
+        return False
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise OutputError(
+        f"{out} is not empty and is not {what} (it holds {shown}); choose a new or empty directory, or pass "
+        f"{flag}, which writes {writes} there and deletes nothing else"
+    )
+
+
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file, read in chunks."""
     digest = hashlib.sha256()
