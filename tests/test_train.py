@@ -18,6 +18,7 @@ from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import save_head
+from eagle_train.runtime.errors import InputError
 from eagle_train.store.manifest import StoreError, StoreMismatchError
 from eagle_train.store.shard import ShardFile
 from eagle_train.store.writer import shard_name
@@ -362,9 +363,7 @@ def test_peagle_loss_falls_and_its_head_is_written_with_the_mask_token(tiny_stor
 
 
 def test_peagle_refuses_a_mask_token_the_target_emits(tiny_store_aux, tmp_path):
-    with pytest.raises(
-        ValueError, match="draft.mask_token_id=1 cannot be the mask token: it is a BOS / EOS / stop"
-    ):
+    with pytest.raises(InputError, match="draft.mask_token_id: 1 is the target's BOS token"):
         run(make_cfg(tiny_store_aux, tmp_path / "run", *PEAGLE, "draft.mask_token_id=1", "max_steps=1"))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
