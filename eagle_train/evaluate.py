@@ -48,6 +48,7 @@ from eagle_train.report.engine_section import engine_section
 from eagle_train.report.results import BASELINE, markdown_table, summarize, write_report
 from eagle_train.report.shape_section import shape_section
 from eagle_train.runtime.atomic_files import atomic_write_lines, read_json, remove_partial_files
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -458,7 +459,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     renderer = ChatRenderer(target.tokenizer, cfg.target, target.max_len)
     prompt_limit = target.max_len - cfg.decode.max_new_tokens
     if prompt_limit < 2:
-        raise ValueError(
+        raise InputError(
             f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
             f"{cfg.target.name}'s context of {target.max_len} tokens"
         )

@@ -34,6 +34,7 @@ from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.modeling.target import Target, TargetParts, load_target, load_target_config
 from eagle_train.runtime.allocator import map_large_allocations
 from eagle_train.runtime.atomic_files import atomic_write_lines, file_sha256, remove_partial_files
+from eagle_train.runtime.errors import InputError
 from eagle_train.training import resume as ckpt
 from eagle_train.training.data import (
     MicroBatch,
@@ -101,7 +102,7 @@ def configure_deepspeed(accelerator: Accelerator, cfg: TrainConfig) -> None:
     Micro-batches are token-budgeted, so the per-GPU batch size is nominal (1); DeepSpeed accumulates
     `grad_accum` micro-batches and clips by norm (it cannot clip by value)."""
     if cfg.optim.clip == "value":
-        raise ValueError("DeepSpeed clips gradients by norm only: set optim.clip=norm (or none)")
+        raise InputError("DeepSpeed clips gradients by norm only: set optim.clip=norm (or none)")
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
     ds["train_micro_batch_size_per_gpu"] = 1
     ds["gradient_accumulation_steps"] = cfg.grad_accum
@@ -132,7 +133,7 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         features_fn, data = None, {"store": source.content_hash()}
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
-        raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
+        raise InputError(f"no training sequences (of {len(source)}) after the held-out split")
     sources = source_identity(target, hf_config, data)
     return RunData(source, train, held_out, features_fn, identity, sources), target
 
@@ -363,7 +364,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     first_plan = epoch_plan(cfg, data, 0)
     steps_per_epoch = len(first_plan) // per_step
     if steps_per_epoch == 0:
-        raise ValueError(
+        raise InputError(
             f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
             f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
         )

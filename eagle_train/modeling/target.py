@@ -56,6 +56,7 @@ from eagle_train.modeling.attention_layout import (
 )
 from eagle_train.modeling.decode_check import check_decode
 from eagle_train.modeling.logit_transform import LogitTransform
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 # Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
@@ -124,7 +125,7 @@ def check_output_logits(model: PreTrainedModel, transform: LogitTransform, lengt
     # the same ops on the same inputs: equal up to a few units of the logits' rounding
     if gap > 4 * torch.finfo(out.logits.dtype).eps * (1.0 + float(theirs.abs().max())):
         fields = {k: getattr(model.config.get_text_config(), k, None) for k in LOGIT_FIELDS}
-        raise ValueError(
+        raise InputError(
             f"{model.config.model_type}: the model's logits are not {transform} applied to lm_head(last hidden "
             f"state) (max difference {gap:.4g}); its forward post-processes them in a way eagle-train does "
             f"not reproduce (config fields {fields}), so this target is not supported"
@@ -507,7 +508,7 @@ def attention_to_load(cfg: TargetConfig) -> str:
     if getattr(model_class, "_supports_sdpa", True):
         return "sdpa"
     if cfg.attn_implementation == "sdpa":
-        raise ValueError(
+        raise InputError(
             f"target.attn_implementation=sdpa: {model_class.__name__} has no sdpa attention in transformers "
             f"{transformers_version}; use eager (or leave target.attn_implementation unset)"
         )
@@ -539,7 +540,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
             device_map=cfg.device_map,
         )
     except (SafetensorError, pickle.UnpicklingError) as err:  # a weight file cut short, or forged
-        raise ValueError(
+        raise InputError(
             f"target {source}: a weight file cannot be read ({error_reason(err)}): damaged, or not a "
             "checkpoint of plain tensors"
         ) from None
