@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from eagle_train.interop.layouts import export_head, load_draft, load_input_embe
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import load_head, save_head
 from eagle_train.runtime.atomic_files import OutputError
+from eagle_train.runtime.errors import InputError
 from tests.conftest import STORIES260K
 
 
@@ -213,6 +215,17 @@ def test_a_head_changed_since_it_was_saved_is_refused_naming_the_file(ckpt, targ
     (state / "trainer.json").write_text(json.dumps({"files": {"model.safetensors": "0" * 64}}))
     with pytest.raises(ValueError, match=r"model.safetensors: its sha256 differs from the one trainer.json"):
         run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+
+
+def test_a_head_whose_recorded_weights_file_is_gone_is_said_to_miss_it(ckpt, target, tmp_path):
+    """A head whose model.safetensors was deleted: evaluate's loader (and export's) names the file as
+    missing, not as a file whose sha256 differs."""
+    head = shutil.copytree(ckpt, tmp_path / "head")
+    (head / "model.safetensors").unlink()
+    with pytest.raises(InputError, match=r"head/model.safetensors: missing, although config.json records"):
+        load_draft(head, target)
+    with pytest.raises(FileNotFoundError, match=r"has no model.safetensors"):
+        run(export_cfg(f"ckpt={head}", f"out={tmp_path / 'o'}"))
 
 
 @pytest.mark.parametrize("cut", [100, -100], ids=["header", "data"])

@@ -111,12 +111,17 @@ def recorded_checksums(path: Path) -> list[tuple[str, str, Path]]:
 
 
 def check_head_files(path: str | Path) -> None:
-    """ValueError naming the file when a head file of `path` no longer has the sha256 recorded when it was
-    saved (`recorded_checksums`): a bit flip, a truncation or an edit since. A head without records
-    (another project's, an export) passes."""
+    """InputError naming the file when a head file of `path` is missing or no longer has the sha256
+    recorded when it was saved (`recorded_checksums`): a bit flip, a truncation or an edit since. A head
+    without records (another project's, an export) passes."""
     path = Path(path)
     for name, sha, where in recorded_checksums(path):
-        if not (path / name).is_file() or file_sha256(path / name) != sha:
+        if not (path / name).is_file():
+            raise InputError(
+                f"{path / name}: missing, although {where.name} records its sha256 (the head was saved with "
+                "it): restore the file, or use another head"
+            )
+        if file_sha256(path / name) != sha:
             raise InputError(
                 f"{path / name}: its sha256 differs from the one {where.name} recorded when the head was "
                 "saved (the file was damaged or changed since; if you changed the weights on purpose, "
