@@ -38,7 +38,13 @@ from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.identity import check_against_model, classify_answer
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
-from eagle_train.engines.vllm_engine import EngineError, run_vllm, run_vllm_server, speculative_config
+from eagle_train.engines.vllm_engine import (
+    EngineError,
+    check_engine_python,
+    run_vllm,
+    run_vllm_server,
+    speculative_config,
+)
 from eagle_train.engines.vllm_sweep import serving_sweep
 from eagle_train.interop.layouts import export_head, load_draft, other_target
 from eagle_train.interop.reexpress import widen_head
@@ -449,6 +455,8 @@ def run(cfg: EvaluateConfig) -> dict:
 
 def evaluate(cfg: EvaluateConfig) -> dict:
     """The stage under its lock."""
+    if cfg.engine == "vllm" and not cfg.engine_url:  # before any work: a broken engine stops it at once
+        check_engine_python(cfg.engine_python)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg.device)

@@ -29,6 +29,7 @@ from eagle_train.config.base import resolve_path
 from eagle_train.config.draft import EAGLE3_FAMILY
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
+from eagle_train.engines.vllm_engine import check_engine_python
 from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.modeling.target import Target, TargetParts, load_target, load_target_config
@@ -541,6 +542,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
 
 def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
     """The stage under its lock: setup, the loop, the final evaluation and head."""
+    if cfg.eval_engine == "vllm":  # before any work: a broken engine stops the run at once
+        on_main(accelerator, lambda: check_engine_python(cfg.eval_engine_python))
     session, state = setup(cfg, accelerator)
     # a large target trained on the CPU: freed activations go back to the OS (eagle_train.runtime.allocator)
     map_large_allocations(session.accelerator.device.type, session.lm_weight.numel())
