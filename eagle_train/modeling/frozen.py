@@ -30,6 +30,7 @@ from transformers.utils import cached_file
 from eagle_train.config.target import TargetConfig
 from eagle_train.modeling.target import (
     TargetParts,
+    check_preset_ids,
     error_reason,
     load_target_config,
     load_tokenizer,
@@ -246,4 +247,6 @@ def load_frozen_target(
             {p.removeprefix("norm."): w for p, w in weight.items() if p.startswith("norm.")}
         )
         module.requires_grad_(False).eval()
-    return FrozenTarget(config, load_tokenizer(cfg), cfg, source, embed, lm_head, module)
+    tokenizer = load_tokenizer(cfg)
+    check_preset_ids(cfg, tokenizer, int(lm_head.weight.shape[0]))
+    return FrozenTarget(config, tokenizer, cfg, source, embed, lm_head, module)
