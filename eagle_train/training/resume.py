@@ -17,6 +17,7 @@ is used. Only the newest `keep_last` checkpoints are kept.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eagle_train.config.base import flatten, mismatches
@@ -41,6 +43,8 @@ from eagle_train.runtime.atomic_files import (
 from eagle_train.runtime.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
+RANDOM_STATES = "random_states_*.pkl"  # accelerate's random number generator states, one pickle per process
+RANDOM_STATE_KEYS = {"random_state", "numpy_random_seed", "torch_manual_seed"}
 DAMAGED_PREFIX = "damaged-"
 # Settings a resumed run may change: they decide what is shown, logged, evaluated or kept, or where
 # things are, never what is trained (the store and the target are identified by their contents).
@@ -244,28 +248,55 @@ def comparable_identity(
 def load_state(accelerator, checkpoint: Path) -> None:
     """accelerate's `load_state` of the checkpoint's training state; a file it cannot load (a pickle
     holding code, which torch's weights_only load refuses; a file cut short) is a CheckpointError naming
-    the file and the reason, not a traceback from deep inside torch."""
+    the file and the reason, not a traceback from deep inside torch. The random-state pickles are loaded
+    first the way accelerate does (weights only, numpy arrays allowed), since accelerate itself only logs
+    "Could not load random states" and goes on when that fails."""
     state_dir = checkpoint / STATE_DIR
+    for file in sorted(state_dir.glob(RANDOM_STATES)):
+        states = refuse_unloadable(file, checkpoint)
+        if not isinstance(states, dict) or not RANDOM_STATE_KEYS <= set(states):
+            raise CheckpointError(
+                f"{file}: not the random states accelerate writes (no {sorted(RANDOM_STATE_KEYS)}). Move "
+                f"{checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
+            )
     try:
         accelerator.load_state(str(state_dir))
-    except Exception as err:  # torch's UnpicklingError, RuntimeError, EOFError, safetensors' own error
+    except Exception:  # torch's UnpicklingError, RuntimeError, EOFError, safetensors' own error
         file = unloadable_file(state_dir)
         if file is None:  # every file loads alone: not a damaged file (e.g. out of memory)
             raise
+        refuse_unloadable(file, checkpoint)
+
+
+def refuse_unloadable(file: Path, checkpoint: Path) -> Any:
+    """`file` loaded as plain data (`load_plain`), else a CheckpointError naming it and why."""
+    try:
+        return load_plain(file)
+    except Exception as err:  # whatever the load raises, this is the file
         raise CheckpointError(
             f"{file}: cannot be loaded ({error_reason(err)}): not a training state this trainer wrote. "
             f"Move {checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
         ) from None
 
 
+def load_plain(file: Path) -> Any:
+    """A training state file loaded as plain data: safetensors, or a torch pickle read weights-only with
+    numpy's arrays allowed (accelerate's random states hold numpy's generator state), no other object."""
+    if file.suffix == ".safetensors":
+        return read_head_weights(file)
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode, np.dtypes.UInt32DType]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
 def unloadable_file(state_dir: Path) -> Path | None:
-    """The first file of a training state that a weights-only load refuses (None: none of them)."""
+    """The first file of a training state that `load_plain` refuses (None: none of them)."""
     for file in sorted(state_dir.iterdir()):
+        if file.suffix not in (".safetensors", ".bin", ".pkl"):
+            continue
         try:
-            if file.suffix == ".safetensors":
-                read_head_weights(file)
-            elif file.suffix == ".bin":
-                torch.load(file, map_location="cpu", weights_only=True)
+            load_plain(file)
         except Exception:  # whatever the load raises, this is the file
             return file
     return None

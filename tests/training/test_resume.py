@@ -249,6 +249,33 @@ def test_a_forged_pickle_in_a_checkpoint_is_one_line_naming_it(tiny_store, stopp
     assert "\n" not in str(err.value) and not (REPO_ROOT / "PWNED").exists() and not Path("PWNED").exists()
 
 
+@pytest.mark.parametrize(
+    "forged, message",
+    [
+        ("code", r"random_states_0.pkl: cannot be loaded \(UnpicklingError"),
+        ("other data", r"random_states_0.pkl: not the random states accelerate writes"),
+    ],
+)
+def test_a_forged_random_state_pickle_is_refused_not_skipped(tiny_store, stopped, tmp_path, forged, message):
+    """accelerate loads its random states weights-only and, when that fails, only logs "Could not load
+    random states" and resumes: a forged random_states_0.pkl (checksums and seal recomputed) holding code,
+    or plain data that is not a random state, is refused in one line naming it; nothing of it runs."""
+    import pickle
+
+    out = shutil.copytree(stopped, tmp_path / "run")
+    step = out / "checkpoints" / "step_0000004"
+    pkl = step / "training_state" / "random_states_0.pkl"
+    if forged == "code":
+        pkl.write_bytes(pickle.dumps(Payload()))
+    else:
+        torch.save({"step": 4}, pkl)
+    reseal(step)
+    with pytest.raises(ckpt.CheckpointError, match=rf"step_0000004/training_state/{message}") as err:
+        run(make_cfg(tiny_store, out, *ARGS))
+    assert "\n" not in str(err.value) and not (REPO_ROOT / "PWNED").exists() and not Path("PWNED").exists()
+    assert steps(out) == ["step_0000002", "step_0000004"] and not (out / "final").exists()
+
+
 def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(whole, tmp_path):
     """Issue 26.5: a bit flipped in a step checkpoint's head: export refuses it, naming the file."""
     from eagle_train.config.export import ExportConfig
