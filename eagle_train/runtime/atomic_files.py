@@ -101,9 +101,12 @@ def atomic_path(final: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     try:
         yield Path(tmp)
         publish(tmp, final)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        named = naming(err, final)
+        if named is err:
+            raise
+        raise named from err
 
 
 def atomic_write_lines(path: str | Path, lines: Iterable[str]) -> None:
@@ -140,10 +143,21 @@ def atomic_write_dir(final: str | Path, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             publish(tmp, final, directory=True)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        named = naming(err, final)
+        if named is err:
+            raise
+        raise named from err
     return final
+
+
+def naming(err: BaseException, final: Path) -> BaseException:
+    """`err`, or for an OSError that names no file (a write to a full disk: ENOSPC, EFBIG) the same error
+    naming `final`, the file or directory being written."""
+    if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+        return type(err)(err.errno, err.strerror or os.strerror(err.errno), str(final))
+    return err
 
 
 def atomic_write_into(directory: str | Path, write: Callable[[Path], None]) -> list[str]:
