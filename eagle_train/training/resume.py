@@ -7,8 +7,9 @@
 
 `trainer.json` holds the trainer state (step, epoch, cursor), the run's identity (`run_identity`: what a
 resumed run must share with the one that wrote it) and the sha256 of every file of the checkpoint, and is
-itself sealed by a sha256 of its contents. The state is written to a temporary directory
-(`.step_XXXXXXX.partial-state`) and renamed into place last, so an interrupted save is never picked up.
+itself sealed by a sha256 of its contents. The whole step directory (head and state) is written under a
+temporary name (`.step_XXXXXXX.partial-ckpt`) and renamed into place last, so an interrupted save (a kill,
+a full disk) leaves no step directory at all and is never picked up.
 Resuming takes the newest checkpoint whose every checksum holds; a damaged one (flipped weights or
 optimizer bytes, an edited trainer.json, a step that does not match its directory) is said so, renamed
 `damaged-step_XXXXXXX` (kept for inspection, never pruned in place of a good one) and the one before it
@@ -117,20 +118,19 @@ def save_checkpoint(
     with trainer.json. A failed write (a full disk) is a CheckpointError naming the step; the checkpoints
     before it are untouched."""
     final = step_dir(out_dir, step)
-    tmp = final.parent / f".{final.name}{PARTIAL}state"
+    tmp = final.parent / f".{final.name}{PARTIAL}ckpt"  # the whole step directory, renamed into place last
     try:
         if accelerator.is_main_process:
-            save_head(accelerator.unwrap_model(model), final, {**meta, "step": step})
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            save_head(accelerator.unwrap_model(model), tmp, {**meta, "step": step})
+            (tmp / STATE_DIR).mkdir()
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp / STATE_DIR))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            record = {"trainer": trainer_state, "run": identity, "files": _checksums(final, tmp)}
-            atomic_write_json(tmp / TRAINER_FILE, {**record, "sha256": _seal(record)})
-            shutil.rmtree(final / STATE_DIR, ignore_errors=True)
-            os.replace(tmp, final / STATE_DIR)
+            record = {"trainer": trainer_state, "run": identity, "files": _checksums(tmp, tmp / STATE_DIR)}
+            atomic_write_json(tmp / STATE_DIR / TRAINER_FILE, {**record, "sha256": _seal(record)})
+            publish_step(tmp, final)
             prune_checkpoints(out_dir, keep_last)
     except Exception as err:  # a full disk shows as OSError, torch's RuntimeError or safetensors' own error
         if accelerator.is_main_process:
@@ -143,6 +143,19 @@ def save_checkpoint(
         ) from err
     accelerator.wait_for_everyone()
     return final
+
+
+def publish_step(tmp: Path, final: Path) -> None:
+    """Rename the finished step directory `tmp` to `final`; one there already (a save cut short by an
+    earlier eagle-train, which wrote the head first) is moved aside first and then removed."""
+    if final.exists():
+        old = final.with_name(f".{final.name}{PARTIAL}old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 def verify_checkpoint(checkpoint: Path) -> dict[str, Any]:
