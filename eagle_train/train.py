@@ -339,9 +339,10 @@ class Session:
 
 
 def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str, Any]]:
-    """Data, head, optimizer and the (resumed) trainer state (under the output lock)."""
+    """Data, head, optimizer and the (resumed) trainer state (under the output lock). out_dir is made (or,
+    with resume=never, cleared) only once every check of the data, target and head has passed: a refused
+    run leaves nothing behind."""
     out_dir = Path(cfg.out_dir)
-    on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
     dtype = frozen_dtype(accelerator)
     head = build_head(cfg.draft, target, data.source, data.train, cfg.seed, dtype)
@@ -397,6 +398,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         min(total, cfg.stop_at_step or total),
         target if isinstance(target, Target) else None,
     )
+    on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     return session, resume_state(cfg, session)
 
 

@@ -365,7 +365,17 @@ def test_peagle_loss_falls_and_its_head_is_written_with_the_mask_token(tiny_stor
 def test_peagle_refuses_a_mask_token_the_target_emits(tiny_store_aux, tmp_path):
     with pytest.raises(InputError, match="draft.mask_token_id: 1 is the target's BOS token"):
         run(make_cfg(tiny_store_aux, tmp_path / "run", *PEAGLE, "draft.mask_token_id=1", "max_steps=1"))
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_run_leaves_no_out_dir(tiny_store, tmp_path):
+    """A run refused by its checks (no feature store there; a store for other aux layers) creates nothing:
+    no out_dir, no lock file left beside it."""
+    with pytest.raises(StoreError, match="not a complete feature store"):
+        run(make_cfg(tmp_path / "no-store", tmp_path / "run", "max_steps=1"))
+    with pytest.raises(StoreMismatchError, match="holds no aux layers"):
+        run(make_cfg(tiny_store, tmp_path / "run", "draft.type=eagle3", "max_steps=1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_eagle3_refuses_a_store_without_its_layers(tiny_store, tiny_store_aux, tmp_path):
