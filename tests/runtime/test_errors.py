@@ -4,9 +4,11 @@ through cli.stage_main, on real processes), its traceback on request, and a bug 
 from __future__ import annotations
 
 import errno
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,45 @@ def test_a_bug_in_a_stage_keeps_its_traceback(tmp_path):
     )
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "in broken" in done.stderr and "TypeError" in done.stderr
+
+
+TRAIN = ["+recipe=stories260k_cpu", "max_steps=2", "progress=false", "max_tokens=1024", "max_batch_size=4"]
+
+
+def test_training_under_accelerate_launch_ends_in_one_line(tmp_path):
+    """`accelerate launch -q` (make train): the stage's own line, no launcher traceback; nothing written."""
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "-q", "--config_file"]
+    args = [str(REPO_ROOT / "conf" / "accelerate" / "single.yaml"), "train.py", *TRAIN]
+    done = subprocess.run(
+        [*launch, *args, f"features={tmp_path / 'none'}", f"out_dir={tmp_path / 'run'}"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "EAGLE_TRAIN_TRACEBACK": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1
+    assert re.fullmatch(
+        r"error: \S*none: not a complete feature store, no manifest.json", error_line(done.stderr)
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_damaged_shard_read_by_a_dataloader_worker_ends_in_one_line(tiny_store, tmp_path):
+    """The store's error raised in a DataLoader worker reaches the user as itself: one line naming the
+    shard and what to do, not the worker's traceback inside the message."""
+    from tests.test_train import copy_store, hidden_region
+
+    store = copy_store(tiny_store, tmp_path / "store")
+    begin, _ = hidden_region(store)
+    shard = store / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[begin + 4096 : begin + 4160] = b"\xff" * 64
+    shard.write_bytes(bytes(data))
+    args = [*TRAIN, f"features={store}", f"out_dir={tmp_path / 'run'}", "loader_workers=2"]
+    done = run_module("eagle_train.train", *args, env={"EAGLE_TRAIN_TRACEBACK": ""})
+    assert done.returncode == 1
+    line = error_line(done.stderr)
+    assert re.fullmatch(
+        r"error: \S*shard-00000.safetensors: its checksum \(sha256\) differs .*rerun the extraction.*", line
+    )
