@@ -32,7 +32,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle_train.config.base import CONF_DIR, renamed_overrides, to_schema
+from eagle_train.config.base import CONF_DIR, config_message, renamed_overrides, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.config.extract import ExtractConfig
@@ -94,11 +94,10 @@ def check_command_line(stage: str, overrides: Sequence[str]) -> None:
 
 
 def composition_message(err: BaseException) -> str:
-    """Hydra's and OmegaConf's message and its cause's, on one line (their `object_type=` lines dropped)."""
+    """Hydra's and OmegaConf's message and its cause's, on one line (`config_message`)."""
     parts = []
     while err is not None and len(parts) < 3:
-        lines = [line.strip() for line in str(err).splitlines()]
-        parts.append(" ".join(line for line in lines if line and not line.startswith("object_type=")))
+        parts.append(config_message(err))
         err = err.__cause__
     return ": ".join(dict.fromkeys(p for p in parts if p))
 

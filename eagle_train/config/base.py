@@ -93,10 +93,15 @@ def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
     except (ValueError, OmegaConfBaseException) as err:
         if isinstance(err, ConfigError):
             raise
-        lines = [line.strip() for line in str(err).splitlines()]
-        raise ConfigError(
-            " ".join(line for line in lines if line and not line.startswith("object_type="))
-        ) from err
+        raise ConfigError(config_message(err)) from err
+
+
+def config_message(err: BaseException) -> str:
+    """OmegaConf's (or Hydra's) message on one line: the key it names kept, its type bookkeeping dropped."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    return " ".join(
+        line for line in lines if line and not line.startswith(("object_type=", "reference_type="))
+    )
 
 
 def config_hash(obj: Any, length: int = 16) -> str:
