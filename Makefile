@@ -63,10 +63,10 @@ extract: setup ## Extract target features (ARGS="target.path=... data.path=... o
 	$(PY) -m eagle_train.extract $(ARGS)
 
 extract-mp: setup ## Extract with 2 CPU processes (gloo); on GPUs: accelerate launch --num_processes N -m eagle_train.extract
-	ACCELERATE_USE_CPU=true $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 -m eagle_train.extract $(ARGS)
+	ACCELERATE_USE_CPU=true $(VENV)/bin/accelerate launch -q --multi_gpu --num_processes 2 -m eagle_train.extract $(ARGS)
 
 train: setup ## Train the draft head: ARGS="features=DIR out_dir=DIR [+recipe=stories260k_cpu] [max_steps=N]"
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/accelerate launch --config_file conf/accelerate/single.yaml train.py $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/accelerate launch -q --config_file conf/accelerate/single.yaml train.py $(ARGS)
 
 eval: setup ## Evaluate a head: tau, acceptance, speedup, greedy identity, plots (ARGS="draft.path=DIR bench=mt_bench")
 	$(PY) -m eagle_train.evaluate $(ARGS)

@@ -9,6 +9,10 @@ runs). Hydra never changes the working directory and writes no output directory 
 
 `stage_lock` is every writing stage's exclusive lock on its output (eagle_train.runtime.output_lock), made
 to work under `accelerate launch`: the main process takes it and every process learns the outcome.
+
+A user error (a bad setting, input or output; eagle_train.runtime.errors) ends a stage in one line on stderr
+and exit code 1, whether Hydra refuses the command line (`check_command_line`), the schema refuses a value
+(`to_schema`) or the stage refuses its inputs; a bug keeps its traceback.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from accelerate.utils import broadcast_object_list
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
-from eagle_train.config.base import CONF_DIR, renamed_overrides, to_schema
+from eagle_train.config.base import CONF_DIR, config_message, renamed_overrides, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.config.extract import ExtractConfig
@@ -34,6 +40,7 @@ from eagle_train.config.fetch import FetchConfig
 from eagle_train.config.pipeline import PipelineConfig
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.config.train import TrainConfig
+from eagle_train.runtime.errors import ConfigError, user_errors
 from eagle_train.runtime.output_lock import OutputLock
 
 SCHEMAS: dict[str, type] = {
@@ -59,17 +66,42 @@ register_schemas()
 
 def stage_main(stage: str, run: Callable[[Any], Any]) -> Callable[[], None]:
     """The `main()` of a stage module: parse the command line with Hydra (renamed keys under their new
-    names, eagle_train.config.base.RENAMED_KEYS), call `run(typed_config)`."""
+    names, eagle_train.config.base.RENAMED_KEYS), call `run(typed_config)`; a user error ends it in one
+    line (eagle_train.runtime.errors.user_errors)."""
 
     @hydra.main(config_path=str(CONF_DIR), config_name=stage, version_base="1.3")
     def hydra_main(cfg: DictConfig) -> None:
-        run(to_schema(cfg, SCHEMAS[stage]))
+        with user_errors():
+            run(to_schema(cfg, SCHEMAS[stage]))
 
     def main() -> None:
         sys.argv[1:] = renamed_overrides(stage, sys.argv[1:])
+        with user_errors():
+            check_command_line(stage, sys.argv[1:])
         hydra_main()
 
     return main
+
+
+def check_command_line(stage: str, overrides: Sequence[str]) -> None:
+    """Compose the stage's config as Hydra will, so that a misspelt key, an unknown preset or a value of
+    the wrong type is a ConfigError in one line (Hydra prints these over several). Hydra's own flags
+    (`--help`, `--cfg`, `-m`, ...) are left to Hydra."""
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    try:
+        compose(stage, overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(f"{stage}: {composition_message(err)}") from None
+
+
+def composition_message(err: BaseException) -> str:
+    """Hydra's and OmegaConf's message and its cause's, on one line (`config_message`)."""
+    parts = []
+    while err is not None and len(parts) < 3:
+        parts.append(config_message(err))
+        err = err.__cause__
+    return ": ".join(dict.fromkeys(p for p in parts if p))
 
 
 def compose(stage: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -90,6 +122,8 @@ def on_main(accelerator, fn: Callable[[], Any]) -> Any:
             error = err
     if accelerator is not None and accelerator.num_processes > 1:
         error = broadcast_object_list([error])[0]
+        if error is not None:
+            error.shared = True  # every process raises it: one of them reports it (runtime.errors)
     if error is not None:
         raise error
     if accelerator is not None:

@@ -38,7 +38,13 @@ from eagle_train.data.render import ChatRenderer
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.identity import check_against_model, classify_answer
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
-from eagle_train.engines.vllm_engine import EngineError, run_vllm, run_vllm_server, speculative_config
+from eagle_train.engines.vllm_engine import (
+    EngineError,
+    check_engine_python,
+    run_vllm,
+    run_vllm_server,
+    speculative_config,
+)
 from eagle_train.engines.vllm_sweep import serving_sweep
 from eagle_train.interop.layouts import export_head, load_draft, other_target
 from eagle_train.interop.reexpress import widen_head
@@ -48,6 +54,7 @@ from eagle_train.report.engine_section import engine_section
 from eagle_train.report.results import BASELINE, markdown_table, summarize, write_report
 from eagle_train.report.shape_section import shape_section
 from eagle_train.runtime.atomic_files import atomic_write_lines, read_json, remove_partial_files
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -448,6 +455,8 @@ def run(cfg: EvaluateConfig) -> dict:
 
 def evaluate(cfg: EvaluateConfig) -> dict:
     """The stage under its lock."""
+    if cfg.engine == "vllm" and not cfg.engine_url:  # before any work: a broken engine stops it at once
+        check_engine_python(cfg.engine_python)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg.device)
@@ -458,7 +467,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     renderer = ChatRenderer(target.tokenizer, cfg.target, target.max_len)
     prompt_limit = target.max_len - cfg.decode.max_new_tokens
     if prompt_limit < 2:
-        raise ValueError(
+        raise InputError(
             f"decode.max_new_tokens={cfg.decode.max_new_tokens} leaves no room for a prompt in "
             f"{cfg.target.name}'s context of {target.max_len} tokens"
         )

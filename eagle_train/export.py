@@ -24,8 +24,10 @@ from eagle_train.interop.layouts import export_head, load_input_embedding, recor
 from eagle_train.interop.reexpress import widen_head
 from eagle_train.modeling.draft import frozen_modules
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
+from eagle_train.modeling.peagle import check_placeholder_token, source_special_ids
 from eagle_train.modeling.target import torch_dtype
 from eagle_train.runtime.atomic_files import remove_partial_files
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 def checkpoint_dir(ckpt: str) -> Path:
     """The checkpoint directory, with a clear error when it or its files are missing."""
     if not ckpt:
-        raise ValueError("export: set ckpt=DIR (a head checkpoint written by training)")
+        raise InputError("export: set ckpt=DIR (a head checkpoint written by training)")
     path = resolve_path(ckpt)
     if path is None or not Path(path).is_dir():
         raise FileNotFoundError(f"export: checkpoint directory {ckpt} does not exist")
@@ -92,25 +94,37 @@ def local_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or Path(source).exists() or source.count("/") > 1
 
 
-def target_embedding(cfg: ExportConfig, recorded: dict, ckpt: Path, why: str):
-    """The target's input embedding [vocab, d] from `target_path` or the source the checkpoint records."""
+def target_path(cfg: ExportConfig, recorded: dict, ckpt: Path, why: str) -> Path | str:
+    """The target's directory (or hub id): `target_path`, else the source the checkpoint records."""
     source = cfg.target_path or recorded_target(recorded)[1]
     if not source:
-        raise ValueError(f"export ({why}): {ckpt} records no target source; set target_path=...")
-    return load_input_embedding(resolve_path(source) or source)
+        raise InputError(f"export ({why}): {ckpt} records no target source; set target_path=...")
+    return resolve_path(source) or source
+
+
+def check_mask_token(head, recorded: dict, source: Path | str, ckpt: Path) -> None:
+    """A P-EAGLE head's mask token against its target (modeling.peagle.check_placeholder_token): none of
+    its BOS / EOS / PAD ids, its generation config's stop ids and the stop ids training recorded. A head
+    whose placeholder the target emits would replace that token's embedding row in the export."""
+    block = recorded.get("target") if isinstance(recorded.get("target"), dict) else {}
+    special = source_special_ids(source, block.get("stop_token_ids") or ())
+    where = f"{ckpt / CONFIG_NAME}: mask_token_id"
+    check_placeholder_token(head.mask_token_id, head.config.vocab_size, special, where)
 
 
 def run(cfg: ExportConfig) -> Path:
     """Export `cfg.ckpt` to `cfg.out_dir` in `cfg.format`; returns the output directory."""
     if not cfg.out_dir:
-        raise ValueError("export: set out_dir=DIR (the directory to write)")
+        raise InputError("export: set out_dir=DIR (the directory to write)")
     ckpt = checkpoint_dir(cfg.ckpt)
     head, recorded = load_head(ckpt)
     meta = export_meta(recorded, cfg, ckpt)
     embed = None
     if cfg.format == "eagle" or head.kind == "peagle":
-        embed = target_embedding(cfg, recorded, ckpt, "format=eagle" if cfg.format == "eagle" else "P-EAGLE")
+        source = target_path(cfg, recorded, ckpt, "format=eagle" if cfg.format == "eagle" else "P-EAGLE")
+        embed = load_input_embedding(source)
     if head.kind == "peagle":  # it ships the target's embedding with its learned mask row in place
+        check_mask_token(head, recorded, source, ckpt)
         head.hold_frozen(frozen_modules(embed.to(head.fc.weight.dtype)))
         embed = None
     if cfg.head_dim and cfg.head_dim != head.config.head_dim:

@@ -50,6 +50,7 @@ from eagle_train.engines.vllm_features import VllmFeatures
 from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.target import Target, load_target, load_target_config
 from eagle_train.runtime.atomic_files import file_sha256
+from eagle_train.runtime.errors import InputError
 from eagle_train.store.codec import storage
 from eagle_train.store.manifest import MANIFEST_NAME, feature_widths, store_hash, store_identity
 from eagle_train.store.writer import (
@@ -203,13 +204,13 @@ def open_features(cfg: ExtractConfig, accelerator: Accelerator):
     (backend=vllm: this process holds only the target's embedding, LM head and final norm)."""
     if cfg.backend == "hf":
         if cfg.target.device_map is not None and accelerator.num_processes > 1:
-            raise ValueError(
+            raise InputError(
                 f"target.device_map={cfg.target.device_map} spreads one target over every GPU of the node: launch "
                 f"one process, not {accelerator.num_processes}"
             )
         return HFFeatures(load_target(cfg.target, accelerator.device), cfg)
     if accelerator.num_processes > 1:
-        raise ValueError(
+        raise InputError(
             "backend=vllm runs one vLLM for the whole extraction: launch one process and spread the target "
             f"with vllm.tensor_parallel_size (got {accelerator.num_processes} processes)"
         )

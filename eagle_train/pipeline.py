@@ -34,6 +34,7 @@ from eagle_train.runtime.atomic_files import (
     read_json,
     remove_partial_files,
 )
+from eagle_train.runtime.errors import UserError
 
 
 def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
@@ -45,6 +46,7 @@ def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
         head = [
             "accelerate",
             "launch",
+            "-q",  # a failed stage ends with its own message, not the launcher's traceback over it
             "--multi_gpu",
             "--num_processes",
             str(spec.processes),
@@ -62,8 +64,10 @@ def stage_command(spec: StageSpec, extra: list[str]) -> list[str]:
 
 
 def command_hash(argv: list[str]) -> str:
-    """A short hash of a command (the interpreter path left out, so a moved venv still resumes)."""
+    """A short hash of a command (the interpreter path left out, so a moved venv still resumes; so is a
+    launcher's -q, which changes what is printed, not what is computed)."""
     stable = argv[1:] if argv and argv[0] == sys.executable else argv
+    stable = [a for a in stable if a not in ("-q", "--quiet")]
     return hashlib.sha256(json.dumps(stable).encode()).hexdigest()[:16]
 
 
@@ -121,6 +125,14 @@ def run_logged(argv: list[str], log_file: Path, env: dict[str, str]) -> int:
         return proc.wait()
 
 
+def last_error(log_file: Path) -> str:
+    """What a failed stage said last: its `error: ...` line (runtime.errors), else its last line (a bug's
+    exception line)."""
+    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
 def run_stage(
     name: str, spec: StageSpec, cfg: PipelineConfig, run_dir: Path, inputs: dict, rerun: str
 ) -> dict:
@@ -150,8 +162,10 @@ def run_stage(
     code = run_logged(argv, run_dir / "logs" / f"{name}.log", spec.env)
     seconds = time.perf_counter() - start
     if code != 0:
-        raise SystemExit(
-            f"[pipeline] stage {name!r} failed (exit code {code}); see {run_dir / 'logs' / f'{name}.log'}"
+        log_file = run_dir / "logs" / f"{name}.log"
+        said = last_error(log_file)
+        raise UserError(
+            f"pipeline stage {name!r} failed (exit code {code}){': ' + said if said else ''}; its log: {log_file}"
         )
     missing = [o for o in spec.outputs if not Path(o).exists()]
     if missing:

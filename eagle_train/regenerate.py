@@ -55,6 +55,7 @@ from eagle_train.runtime.atomic_files import (
     read_json,
     remove_partial_files,
 )
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ def merge(out: Path, order: dict[str, int]) -> int:
 def run(cfg: RegenerateConfig, accelerator: Accelerator | None = None) -> dict:
     """Regenerate the replies of `cfg.data` into `cfg.out`; returns the counts (also in <out>.stats.json)."""
     if not cfg.out:
-        raise ValueError("regenerate: set out=FILE.jsonl")
+        raise InputError("regenerate: set out=FILE.jsonl")
     accelerator = accelerator or Accelerator()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)

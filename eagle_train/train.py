@@ -29,11 +29,13 @@ from eagle_train.config.base import resolve_path
 from eagle_train.config.draft import EAGLE3_FAMILY
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
+from eagle_train.engines.vllm_engine import check_engine_python
 from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.modeling.target import Target, TargetParts, load_target, load_target_config
 from eagle_train.runtime.allocator import map_large_allocations
 from eagle_train.runtime.atomic_files import atomic_write_lines, file_sha256, remove_partial_files
+from eagle_train.runtime.errors import InputError
 from eagle_train.training import resume as ckpt
 from eagle_train.training.data import (
     MicroBatch,
@@ -101,7 +103,7 @@ def configure_deepspeed(accelerator: Accelerator, cfg: TrainConfig) -> None:
     Micro-batches are token-budgeted, so the per-GPU batch size is nominal (1); DeepSpeed accumulates
     `grad_accum` micro-batches and clips by norm (it cannot clip by value)."""
     if cfg.optim.clip == "value":
-        raise ValueError("DeepSpeed clips gradients by norm only: set optim.clip=norm (or none)")
+        raise InputError("DeepSpeed clips gradients by norm only: set optim.clip=norm (or none)")
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
     ds["train_micro_batch_size_per_gpu"] = 1
     ds["gradient_accumulation_steps"] = cfg.grad_accum
@@ -132,7 +134,7 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         features_fn, data = None, {"store": source.content_hash()}
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
-        raise ValueError(f"no training sequences (of {len(source)}) after the held-out split")
+        raise InputError(f"no training sequences (of {len(source)}) after the held-out split")
     sources = source_identity(target, hf_config, data)
     return RunData(source, train, held_out, features_fn, identity, sources), target
 
@@ -337,9 +339,10 @@ class Session:
 
 
 def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str, Any]]:
-    """Data, head, optimizer and the (resumed) trainer state (under the output lock)."""
+    """Data, head, optimizer and the (resumed) trainer state (under the output lock). out_dir is made (or,
+    with resume=never, cleared) only once every check of the data, target and head has passed: a refused
+    run leaves nothing behind."""
     out_dir = Path(cfg.out_dir)
-    on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     data, target = prepare_data(cfg, accelerator)
     dtype = frozen_dtype(accelerator)
     head = build_head(cfg.draft, target, data.source, data.train, cfg.seed, dtype)
@@ -363,7 +366,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     first_plan = epoch_plan(cfg, data, 0)
     steps_per_epoch = len(first_plan) // per_step
     if steps_per_epoch == 0:
-        raise ValueError(
+        raise InputError(
             f"{len(first_plan)} micro-batches per epoch < {per_step} needed for one optimizer step "
             f"({accelerator.num_processes} processes x grad_accum {cfg.grad_accum}): lower max_tokens"
         )
@@ -395,6 +398,7 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
         min(total, cfg.stop_at_step or total),
         target if isinstance(target, Target) else None,
     )
+    on_main(accelerator, lambda: prepare_run_dir(cfg, out_dir))
     return session, resume_state(cfg, session)
 
 
@@ -540,6 +544,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
 
 def train(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, float]:
     """The stage under its lock: setup, the loop, the final evaluation and head."""
+    if cfg.eval_engine == "vllm":  # before any work: a broken engine stops the run at once
+        on_main(accelerator, lambda: check_engine_python(cfg.eval_engine_python))
     session, state = setup(cfg, accelerator)
     # a large target trained on the CPU: freed activations go back to the OS (eagle_train.runtime.allocator)
     map_large_allocations(session.accelerator.device.type, session.lm_weight.numel())

@@ -154,3 +154,29 @@ def decoder_fine_tune(dest: Path) -> Path:
     weights["model.layers.0.mlp.down_proj.weight"] += 0.05
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    """`python -m MODULE ARGS` from the repository root, output captured (a real process: the command's
+    own exit code and stderr)."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def error_line(stderr: str) -> str:
+    """The one `error: ...` line a command ends with on a user error, after checking that stderr holds no
+    traceback and no other error line (what a user reads is that line alone)."""
+    assert "Traceback" not in stderr and "Error executing job" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error:" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1] == errors[0], stderr[-3000:]
+    return errors[0]

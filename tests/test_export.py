@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,8 @@ from eagle_train.export import run
 from eagle_train.interop.layouts import export_head, load_draft, load_input_embedding
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import load_head, save_head
+from eagle_train.runtime.atomic_files import OutputError
+from eagle_train.runtime.errors import InputError
 from tests.conftest import STORIES260K
 
 
@@ -77,20 +80,16 @@ def test_a_directory_export_did_not_write_is_refused_with_nothing_deleted(ckpt, 
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("keep me")
     (mine / "sub" / "data.bin").write_bytes(b"\x00" * 10)
-    with pytest.raises(
-        FileExistsError, match=r"not an earlier format=vllm export \(it holds notes.txt, sub\)"
-    ):
+    with pytest.raises(OutputError, match=r"not an earlier format=vllm export \(it holds notes.txt, sub\)"):
         run(export_cfg(f"ckpt={ckpt}", f"out={mine}"))
     monkeypatch.chdir(mine)
-    with pytest.raises(
-        FileExistsError, match="overwrite=true, which writes config.json and model.safetensors"
-    ):
+    with pytest.raises(OutputError, match="overwrite=true, which writes config.json and model.safetensors"):
         run(export_cfg(f"ckpt={ckpt}", "out=."))
     assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").stat().st_size == 10
     run(export_cfg(f"ckpt={ckpt}", "out=.", "overwrite=true"))
     assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub"]
     assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").exists()
-    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+    with pytest.raises(OutputError, match="exists and is not a directory"):
         run(export_cfg(f"ckpt={ckpt}", f"out={mine / 'notes.txt'}"))
 
 
@@ -100,7 +99,7 @@ def test_an_earlier_export_is_replaced_and_another_layout_needs_overwrite(ckpt, 
     run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={out}", "dtype=bfloat16"))  # same layout: replaced
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with pytest.raises(FileExistsError, match="not an earlier format=eagle export"):
+    with pytest.raises(OutputError, match="not an earlier format=eagle export"):
         run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={out}"))
     run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={out}", "overwrite=true"))
     assert sorted(p.name for p in out.iterdir()) == [
@@ -216,6 +215,17 @@ def test_a_head_changed_since_it_was_saved_is_refused_naming_the_file(ckpt, targ
     (state / "trainer.json").write_text(json.dumps({"files": {"model.safetensors": "0" * 64}}))
     with pytest.raises(ValueError, match=r"model.safetensors: its sha256 differs from the one trainer.json"):
         run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+
+
+def test_a_head_whose_recorded_weights_file_is_gone_is_said_to_miss_it(ckpt, target, tmp_path):
+    """A head whose model.safetensors was deleted: evaluate's loader (and export's) names the file as
+    missing, not as a file whose sha256 differs."""
+    head = shutil.copytree(ckpt, tmp_path / "head")
+    (head / "model.safetensors").unlink()
+    with pytest.raises(InputError, match=r"head/model.safetensors: missing, although config.json records"):
+        load_draft(head, target)
+    with pytest.raises(FileNotFoundError, match=r"has no model.safetensors"):
+        run(export_cfg(f"ckpt={head}", f"out={tmp_path / 'o'}"))
 
 
 @pytest.mark.parametrize("cut", [100, -100], ids=["header", "data"])

@@ -20,7 +20,7 @@ from eagle_train.runtime.atomic_files import partial_prefix
 from eagle_train.store.manifest import MANIFEST_NAME
 from eagle_train.store.reader import FeatureStore
 from eagle_train.store.writer import shard_name
-from tests.conftest import DATA
+from tests.conftest import DATA, error_line
 from tests.kill_after import KILLED
 
 pytestmark = pytest.mark.slow
@@ -139,3 +139,18 @@ def test_cli_bad_input_exits_nonzero_naming_the_record(tmp_path):
     output = result.stdout + result.stderr
     assert "bad.jsonl" in output and "line 2" in output
     assert not out_dir.exists()
+
+
+def test_a_full_disk_names_the_shard_and_a_rerun_with_room_completes(tmp_path, reference_store):
+    """Files capped at 30 kB (a full disk: the write fails with EFBIG as with ENOSPC): one line naming the
+    shard being written and what to do, no traceback, nothing half written left; a rerun with room
+    extracts the same store."""
+    limit = [sys.executable, str(REPO_ROOT / "tests" / "file_size_limit.py"), "30000", "eagle_train.extract"]
+    full = extract_cli(tmp_path, command=limit)
+    assert full.returncode == 1
+    line = error_line(full.stderr)
+    assert f"{tmp_path / shard_name(0)}: File too large (errno 27)" in line and "free space" in line
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") or p.name.startswith("shard-")]
+    resumed = extract_cli(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_store(FeatureStore(tmp_path), reference_store)

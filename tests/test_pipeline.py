@@ -16,7 +16,8 @@ from eagle_train.config.pipeline import PipelineConfig, StageSpec
 from eagle_train.data.mix import parse_args as mix_args
 from eagle_train.data.mix import parse_source
 from eagle_train.data.tinystories import parse_args as tinystories_args
-from eagle_train.pipeline import run
+from eagle_train.pipeline import command_hash, run
+from eagle_train.runtime.errors import UserError
 
 # (experiment, extra overrides, expected name): the GPU preset with every target preset
 PRESETS = [(p, [], p) for p in ("tiny_cpu", "tiny_cpu_eagle3", "tiny_cpu_peagle")] + [
@@ -101,7 +102,9 @@ def test_run_resume_rerun_and_failure(tmp_path, capsys):
 
     bad = prepare_only(tmp_path, 3)
     bad.stages["prepare"].args.append("--no-such-flag")
-    with pytest.raises(SystemExit, match="stage 'prepare' failed.*prepare.log"):
+    with pytest.raises(
+        UserError, match=r"stage 'prepare' failed \(exit code 2\): .*no-such-flag.*prepare.log"
+    ):
         run(bad)
     assert not (tmp_path / ".stages" / "prepare.json").exists()  # a failed stage is never marked done
 
@@ -162,8 +165,19 @@ def test_a_stage_with_several_processes_runs_under_accelerate_launch(tmp_path):
     cfg = compose_pipeline([f"run_dir={tmp_path}", "vars.processes=2", "dry_run=true"])
     argv = {r["stage"]: r["argv"] for r in run(cfg)}
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    launched = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "-m", "eagle_train.regenerate"]
-    assert argv["regenerate"][:7] == launched
+    launched = [
+        accelerate,
+        "launch",
+        "-q",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "-m",
+        "eagle_train.regenerate",
+    ]
+    assert argv["regenerate"][:8] == launched
+    # -q changes what the launcher prints, not what the stage computes: a finished stage stays finished
+    assert command_hash(launched) == command_hash([a for a in launched if a != "-q"])
     assert argv["extract"][:3] == [sys.executable, "-m", "eagle_train.extract"]
     cfg = compose_pipeline([f"run_dir={tmp_path}", "vars.processes=1", "dry_run=true"])
     assert next(r["argv"] for r in run(cfg) if r["stage"] == "regenerate")[:3] == [

@@ -18,6 +18,7 @@ from eagle_train.config.extract import ExtractConfig
 from eagle_train.config.train import TrainConfig
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import save_head
+from eagle_train.runtime.errors import InputError
 from eagle_train.store.manifest import StoreError, StoreMismatchError
 from eagle_train.store.shard import ShardFile
 from eagle_train.store.writer import shard_name
@@ -362,11 +363,19 @@ def test_peagle_loss_falls_and_its_head_is_written_with_the_mask_token(tiny_stor
 
 
 def test_peagle_refuses_a_mask_token_the_target_emits(tiny_store_aux, tmp_path):
-    with pytest.raises(
-        ValueError, match="draft.mask_token_id=1 cannot be the mask token: it is a BOS / EOS / stop"
-    ):
+    with pytest.raises(InputError, match="draft.mask_token_id: 1 is the target's BOS token"):
         run(make_cfg(tiny_store_aux, tmp_path / "run", *PEAGLE, "draft.mask_token_id=1", "max_steps=1"))
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_run_leaves_no_out_dir(tiny_store, tmp_path):
+    """A run refused by its checks (no feature store there; a store for other aux layers) creates nothing:
+    no out_dir, no lock file left beside it."""
+    with pytest.raises(StoreError, match="not a complete feature store"):
+        run(make_cfg(tmp_path / "no-store", tmp_path / "run", "max_steps=1"))
+    with pytest.raises(StoreMismatchError, match="holds no aux layers"):
+        run(make_cfg(tiny_store, tmp_path / "run", "draft.type=eagle3", "max_steps=1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_eagle3_refuses_a_store_without_its_layers(tiny_store, tiny_store_aux, tmp_path):
@@ -406,15 +415,20 @@ def hidden_region(store: Path, name: str = "hidden") -> tuple[int, int]:
     return shard.data_start + begin, shard.data_start + end
 
 
-def test_a_corrupt_shard_stops_training_before_any_step(tiny_store, tmp_path):
-    """16.3: 64 flipped bytes in a shard (NaNs in the hidden states) are caught by its checksum."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_corrupt_shard_stops_training_before_any_step(tiny_store, tmp_path, workers):
+    """64 flipped bytes in a shard (NaNs in the hidden states) are caught by its checksum, with the store's
+    own error whether the loop or a DataLoader worker read the shard (no worker traceback inside it)."""
     store = copy_store(tiny_store, tmp_path / "store")
     begin, _ = hidden_region(store)
     data = bytearray((store / shard_name(0)).read_bytes())
     data[begin + 4096 : begin + 4160] = b"\xff" * 64
     (store / shard_name(0)).write_bytes(bytes(data))
-    with pytest.raises(StoreError, match=r"shard-00000.safetensors: its checksum \(sha256\) differs"):
-        run(make_cfg(store, tmp_path / "run", "max_steps=2", "save_every=1"))
+    with pytest.raises(
+        StoreError, match=r"^\S*shard-00000.safetensors: its checksum \(sha256\) differs"
+    ) as err:
+        run(make_cfg(store, tmp_path / "run", "max_steps=2", "save_every=1", f"loader_workers={workers}"))
+    assert "\n" not in str(err.value) and "Traceback" not in str(err.value)
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
 
 

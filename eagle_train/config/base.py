@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from eagle_train.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -80,11 +83,25 @@ _register_resolvers()
 
 
 def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
-    """Validate `cfg` against the dataclass `schema` (unknown keys and wrong types raise) and return
-    the dataclass instance. `__post_init__` cross-field checks run here."""
-    structured = OmegaConf.structured(schema)
-    merged = OmegaConf.merge(structured, cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    """Validate `cfg` against the dataclass `schema` and return the dataclass instance. `__post_init__`
+    cross-field checks run here. An unknown key, a wrong type or a value a check refuses is a ConfigError
+    (a ValueError) with the message on one line."""
+    try:
+        structured = OmegaConf.structured(schema)
+        merged = OmegaConf.merge(structured, cfg)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except (ValueError, OmegaConfBaseException) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(config_message(err)) from err
+
+
+def config_message(err: BaseException) -> str:
+    """OmegaConf's (or Hydra's) message on one line: the key it names kept, its type bookkeeping dropped."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    return " ".join(
+        line for line in lines if line and not line.startswith(("object_type=", "reference_type="))
+    )
 
 
 def config_hash(obj: Any, length: int = 16) -> str:

@@ -7,10 +7,10 @@ JSON array or JSONL, `from`/`value`, `role`/`content` or `messages`; prompt-only
 N conversations kept (`:N`; all without), and written in source order as ShareGPT JSONL
 `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}]}`; an id already used by an earlier
 source gets `_dup<k>` (counted; `sharegpt.unique_id`: unique by construction). Bad input raises DataError
-naming the file and the record. The output is streamed (one conversation in memory at a time) and written
-atomically, with `<out>.stats.json` beside it: each source's path, sha256, limit and counts (read, kept,
-dropped by reason, repaired) and the output's own sha256, so the mix a head was trained on can always be
-told. An existing `out` is replaced only when it is an earlier mix, unchanged since (its stats file says
+naming the file and the record, and ends the command in one line (eagle_train.runtime.errors). The output
+is streamed (one conversation in memory at a time) and written atomically, with `<out>.stats.json` beside
+it: each source's path, sha256, limit and counts (read, kept, dropped by reason, repaired) and the output's
+own sha256, so the mix a head was trained on can always be told. An existing `out` is replaced only when it is an earlier mix, unchanged since (its stats file says
 so); anything else (a dataset, a mix edited by hand, a directory) is refused unless `overwrite=true`
 (eagle_train.runtime.atomic_files.check_output_file, the rule regenerate follows too).
 
@@ -31,7 +31,6 @@ from typing import Any
 from eagle_train.config.base import expand_data_ref, flag_argv
 from eagle_train.data.sharegpt import (
     SHAREGPT_ROLES,
-    DataError,
     DropReport,
     iter_conversations,
     unique_id,
@@ -44,6 +43,7 @@ from eagle_train.runtime.atomic_files import (
     file_sha256,
     read_json,
 )
+from eagle_train.runtime.errors import InputError, user_errors
 
 WRITTEN_BY = "eagle_train.data.mix"
 
@@ -55,7 +55,7 @@ def parse_source(spec: str) -> tuple[str, int | None]:
     if sep and tail.isdigit():
         path, limit = head, int(tail)
         if limit <= 0:
-            raise ValueError(f"source {spec!r}: the count after ':' must be > 0")
+            raise InputError(f"source {spec!r}: the count after ':' must be > 0")
     return expand_data_ref(path), limit
 
 
@@ -88,10 +88,10 @@ def mix_conversations(
     conversation in memory at a time; returns the stats. An existing `out` that is not an earlier mix
     (`check_own_mix`) is refused unless `overwrite`."""
     if not sources:
-        raise ValueError("no source given: source=FILE[:N], once per file")
+        raise InputError("no source given: source=FILE[:N], once per file")
     out = Path(out)
     if out.resolve() in {Path(path).resolve() for path, _ in sources}:
-        raise ValueError(f"{out}: the output is one of the sources")
+        raise InputError(f"{out}: the output is one of the sources")
     check_output_file(out, lambda: check_own_mix(out), overwrite)
     seen: dict[str, int] = {}
     stats: list[dict[str, Any]] = []
@@ -165,10 +165,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+    with user_errors():
         summary = mix_conversations(args.out, [parse_source(s) for s in args.source], args.overwrite)
-    except (DataError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     parts = ", ".join(f"{Path(s['path']).name} {s['kept']}" for s in summary["sources"])
     print(f"wrote {summary['conversations']} conversations to {args.out} ({parts})")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle_train.config.base import data_path, resolve_path
+from eagle_train.runtime.errors import InputError
 
 BENCH_FILES = {
     **{
@@ -61,7 +62,7 @@ def bench_name(bench: str) -> str:
 def parse_question(record: object, where: str, line_no: int) -> Question:
     """One JSONL record -> Question; `where` (file:line) names the record in errors."""
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "turns" in record:
         turns = record["turns"]
         if (
@@ -69,13 +70,13 @@ def parse_question(record: object, where: str, line_no: int) -> Question:
             or not turns
             or not all(isinstance(t, str) and t.strip() for t in turns)
         ):
-            raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+            raise InputError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
     else:
         key = next((k for k in PROMPT_KEYS if k in record), None)
         if key is None:
-            raise ValueError(f"{where}: no 'turns' and none of {list(PROMPT_KEYS)} in the record")
+            raise InputError(f"{where}: no 'turns' and none of {list(PROMPT_KEYS)} in the record")
         if not isinstance(record[key], str) or not record[key].strip():
-            raise ValueError(f"{where}: {key!r} must be a non-empty string")
+            raise InputError(f"{where}: {key!r} must be a non-empty string")
         turns = [record[key]]
     id_key = next((k for k in ID_KEYS if k in record), None)
     question_id = str(record[id_key]) if id_key else str(line_no)
@@ -93,7 +94,7 @@ def load_questions(
     try:
         return _read_questions(path, num_questions, max_turns)
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err.reason}): save the prompt file as UTF-8") from None
+        raise InputError(f"{path}: not UTF-8 text ({err.reason}): save the prompt file as UTF-8") from None
 
 
 def _read_questions(path: Path, num_questions: int | None, max_turns: int | None) -> list[Question]:
@@ -109,13 +110,13 @@ def _read_questions(path: Path, num_questions: int | None, max_turns: int | None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
+                raise InputError(f"{where}: invalid JSON ({e.msg})") from e
             question = parse_question(record, where, line_no)
             if question.question_id in seen:
-                raise ValueError(f"{where}: duplicate question id {question.question_id!r}")
+                raise InputError(f"{where}: duplicate question id {question.question_id!r}")
             seen.add(question.question_id)
             question.turns = question.turns[:max_turns] if max_turns else question.turns
             questions.append(question)
     if not questions:
-        raise ValueError(f"{path}: no questions")
+        raise InputError(f"{path}: no questions")
     return questions

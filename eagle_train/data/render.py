@@ -47,6 +47,7 @@ from eagle_train.config.target import TargetConfig
 from eagle_train.data.reply_markers import RenderError, locate_replies
 from eagle_train.data.sharegpt import DataError, DropReport
 from eagle_train.data.templates import TEMPLATES, Segment, get_template, render_segments
+from eagle_train.runtime.errors import InputError
 
 Tokenizer = Any  # a Hugging Face (fast or slow) tokenizer; only modeling/* imports transformers
 # tokenizer.model_max_length above this is the "no limit" sentinel, not a real limit
@@ -81,11 +82,14 @@ class ChatRenderer:
         if has_own and not target_cfg.force_template:
             self.template_name, self.template = "hf", None
         elif target_cfg.chat_template is not None:
-            self.template = get_template(target_cfg.chat_template)
+            try:
+                self.template = get_template(target_cfg.chat_template)
+            except ValueError as err:
+                raise InputError(f"target.chat_template={target_cfg.chat_template}: {err}") from None
             self.template_name = self.template.name
         else:
             why = "target.force_template is true" if has_own else "its tokenizer has no chat template"
-            raise ValueError(
+            raise InputError(
                 f"target {target_cfg.name!r} ({target_cfg.path}): {why} and target.chat_template is null; "
                 f"set target.chat_template to one of: {', '.join(sorted(TEMPLATES))}"
             )

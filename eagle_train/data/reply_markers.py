@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from eagle_train.runtime.errors import InputError
+
 REASONING_CLOSE = "</think>"  # the tag that ends a reply's reasoning block (Qwen3, DeepSeek-R1, QwQ, ...)
 REPAIR_REASONING = "reasoning_not_rendered"  # DropReport fix: a reply's reasoning is not in the rendering
 # Candidate marker delimiters: pairs of private-use characters; the first pair absent from the text is used.
@@ -35,7 +37,7 @@ MARKER_PAIRS = [(chr(0xE000 + 2 * i), chr(0xE001 + 2 * i)) for i in range(64)]
 Render = Callable[[list[dict]], str]  # messages -> the template's text
 
 
-class RenderError(ValueError):
+class RenderError(InputError):
     """A conversation the chat template cannot render exactly. `reason` is its DropReport key:
     `template_error` (the template raised), `template_not_exact` (its output depends on the reply text
     beyond copying it) or `reply_not_rendered` (a reply is missing, repeated or rewritten)."""

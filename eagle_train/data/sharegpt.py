@@ -37,6 +37,7 @@ import datasets
 from eagle_train.config.base import resolve_path
 from eagle_train.config.data import DataConfig
 from eagle_train.data.jsonl import first_char, json_array_records, jsonl_records
+from eagle_train.runtime.errors import InputError
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -50,7 +51,7 @@ REGENERATE_HINT = (
 )
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Bad input data; the message names the file, the record (index and id) and the reason."""
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from eagle_train.config.base import data_path, flag_argv
 from eagle_train.data.jsonl import jsonl_records
 from eagle_train.runtime.atomic_files import atomic_write_text
+from eagle_train.runtime.errors import user_errors
 
 DEFAULT_SRC = data_path("tinystories/tinystories_val_head.txt")
 DEFAULT_HELD_OUT = data_path("tinystories/tinystories_prompts.jsonl")
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     held_out = None if args.held_out.lower() == "none" else args.held_out
-    counts = build_tinystories_conversations(args.out, args.src, args.limit, held_out)
+    with user_errors():
+        counts = build_tinystories_conversations(args.out, args.src, args.limit, held_out)
     print(
         f"wrote {counts['written']} conversations to {args.out} ({', '.join(f'{k} {v}' for k, v in counts.items())})"
     )

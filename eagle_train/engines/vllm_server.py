@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from eagle_train.engines.vllm_engine import EngineError, engine_python, failure_reason
+from eagle_train.engines.vllm_engine import EngineError, engine_python, failure_reason, log_tail
 
 CLI = Path(__file__).with_name("vllm_cli.py")  # the `vllm` command, run in vLLM's environment
 # the flags vLLM's own sweep (`vllm bench sweep serve`) adds to every benchmark run, plus the median
@@ -86,13 +86,6 @@ def serve_command(
     if speculative:
         cmd += ["--speculative-config", json.dumps(speculative)]
     return cmd + [str(a) for a in extra_args]
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    """The last `lines` lines of a log file (empty if it is absent)."""
-    if not path.is_file():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def server_failure(what: str, log: Path) -> EngineError:

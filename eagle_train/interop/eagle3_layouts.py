@@ -53,11 +53,15 @@ from eagle_train.modeling.eagle3 import (
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from eagle_train.modeling.peagle import (
     PEAGLE_FIELDS,
+    check_placeholder_tensors,
+    check_placeholder_token,
     is_peagle_config,
     peagle_config_fields,
     peagle_from_config,
     recorded_mask_token,
+    target_special_ids,
 )
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +86,19 @@ def check_exportable(head: Eagle3Head, fmt: str) -> None:
     """Refuse what a layout's loader cannot hold rather than write a head that loads wrong."""
     if fmt in ("sglang", "eagle") and (head.kind == "peagle" or head.config.num_hidden_layers > 1):
         what = "a P-EAGLE head" if head.kind == "peagle" else f"{head.config.num_hidden_layers} layers"
-        raise ValueError(
+        raise InputError(
             f"format={fmt}: {what}: {'SGLang' if fmt == 'sglang' else 'the EAGLE reference'} cannot run it "
             "as trained (SGLang's extra EAGLE-3 layers drop the first layer's residual; no parallel "
             "drafting); export with format=vllm or format=speculators"
         )
     if fmt in ("sglang", "eagle") and (head.fc_norm_enabled or head.norm_output):
-        raise ValueError(
+        raise InputError(
             f"format={fmt}: {'SGLang' if fmt == 'sglang' else 'the EAGLE reference'} has no fc_norm / "
             "norm_output (EAGLE-3.1); it would skip their weights silently. Export with format=vllm or "
             "format=speculators, or train without them"
         )
     if fmt == "eagle" and head.config.head_dim * head.config.num_attention_heads != head.config.hidden_size:
-        raise ValueError(
+        raise InputError(
             "format=eagle: the EAGLE reference needs head_dim * num_attention_heads == hidden_size"
         )
 
@@ -167,10 +171,10 @@ def eagle3_writer(
         state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
     if fmt == "eagle":
         if embed_tokens is None:
-            raise ValueError("format=eagle: the reference needs the target's embedding in the file; pass it")
+            raise InputError("format=eagle: the reference needs the target's embedding in the file; pass it")
     if embed_tokens is not None and head.kind != "peagle":  # P-EAGLE: its own (the learned row in place)
         if tuple(embed_tokens.shape) != (head.config.vocab_size, head.config.hidden_size):
-            raise ValueError(f"embedding shape {tuple(embed_tokens.shape)} does not match the head's config")
+            raise InputError(f"embedding shape {tuple(embed_tokens.shape)} does not match the head's config")
         state["embed_tokens.weight"] = embed_tokens.detach().to("cpu", dtype).contiguous()
     config = export_config(head, fmt, llama, {**info, "type": head.kind}, speculative_tokens)
 
@@ -219,11 +223,11 @@ def eagle3_state(raw: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Te
         if key.endswith("rotary_emb.inv_freq"):
             continue
         if not key.startswith(own) and key not in ("mask_hidden", "mask_embedding"):
-            raise ValueError(f"{file}: unexpected tensor {key!r} for an EAGLE-3 head")
+            raise InputError(f"{file}: unexpected tensor {key!r} for an EAGLE-3 head")
         state[key] = value
     for key in ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"):
         if key not in state:
-            raise ValueError(f"{file}: no {key}: not a complete EAGLE-3 head")
+            raise InputError(f"{file}: no {key}: not a complete EAGLE-3 head")
     return state
 
 
@@ -231,12 +235,12 @@ def check_matches(head: Eagle3Head, state: dict[str, torch.Tensor], target, file
     """A head for another target: a clear error, not a shape error deep in a forward."""
     fc_in = int(state["fc.weight"].shape[1])
     if head.config.hidden_size != target.hidden_size or fc_in != 3 * target.hidden_size:
-        raise ValueError(
+        raise InputError(
             f"{file}: EAGLE-3 head of hidden size {head.config.hidden_size} fusing {fc_in} features does not "
             f"match the target's {target.hidden_size} ({target.source}): trained for another model"
         )
     if head.config.vocab_size != target.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"{file}: head vocabulary {head.config.vocab_size} does not match the target's {target.vocab_size}"
         )
 
@@ -264,8 +268,9 @@ def load_eagle3(
         (int(k.split(".")[1]) for k in state if k.startswith("layers.")), default=0
     )
     if "mask_hidden" in state or is_peagle_config(raw):
-        mask = load_mask_token(raw, file, mask_token_id)
+        mask = load_mask_token(raw, file, mask_token_id, target)
         head = peagle_from_config(llama, raw, aux, mask)
+        check_placeholder_tensors(head, state, file)
     else:
         head = eagle3_from_config(llama, raw, aux)
     check_matches(head, state, target, file)
@@ -278,17 +283,17 @@ def load_eagle3(
         state["t2d"] = t2d_from_d2t(state["d2t"], target.vocab_size)
     if "d2t" not in state:
         if head.draft_vocab_size != target.vocab_size:
-            raise ValueError(f"{file}: a reduced draft vocabulary ({head.draft_vocab_size}) needs d2t")
+            raise InputError(f"{file}: a reduced draft vocabulary ({head.draft_vocab_size}) needs d2t")
         state["d2t"], state["t2d"] = head.d2t.clone(), torch.ones(target.vocab_size, dtype=torch.bool)
     try:
         missing, unexpected = head.load_state_dict(
             {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
         )
     except RuntimeError as err:  # shapes that do not fit the config
-        raise ValueError(f"{file}: tensors do not match its config.json: {err}") from err
+        raise InputError(f"{file}: tensors do not match its config.json: {err}") from err
     missing = [k for k in missing if k in head.trainable_state_dict()]
     if missing or unexpected:
-        raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
+        raise InputError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
     if embed is None:
         head.share_target_weights(target)
     else:  # shipped with the head: what vLLM and the reference use too (its own, never the target's)
@@ -296,17 +301,22 @@ def load_eagle3(
     return head
 
 
-def load_mask_token(raw: dict[str, Any], file: Path, given: int | None) -> int:
+def load_mask_token(raw: dict[str, Any], file: Path, given: int | None, target) -> int:
     """A P-EAGLE head's mask token: `given` (it must agree with a recorded one), else the one config.json
-    records. SpecForge's exports record none, and no guess is safe (the head learned ONE token's row):
-    ValueError asking for it."""
-    recorded = recorded_mask_token(raw)
-    if given is not None and recorded is not None and int(given) != recorded:
-        raise ValueError(f"{file}: its config.json records mask token {recorded}, not the given {given}")
+    records; either is checked against the target (`check_placeholder_token`: inside its vocabulary, none
+    of its BOS / EOS / PAD / stop ids), naming the file and the key. SpecForge's exports record none, and
+    no guess is safe (the head learned ONE token's row): an InputError asking for it."""
+    special = target_special_ids(target)
+    recorded = recorded_mask_token(raw, file.parent / CONFIG_NAME, target.vocab_size, special)
+    if given is not None:
+        given = check_placeholder_token(given, target.vocab_size, special, "draft.mask_token_id")
+    if given is not None and recorded is not None and given != recorded:
+        raise InputError(f"{file}: its config.json records mask token {recorded}, not the given {given}")
     if given is None and recorded is None:
-        raise ValueError(
-            f"{file.parent}: a P-EAGLE head (mask_hidden) whose config.json names no mask token "
+        raise InputError(
+            f"{file.parent / CONFIG_NAME}: mask_token_id: missing: a P-EAGLE head (mask_hidden) whose config.json "
+            "names no mask token "
             "(SpecForge writes none): pass the id it was trained with (draft.type=peagle "
             "draft.mask_token_id=N, or `mask_token_id` in its config.json); a wrong id drafts garbage"
         )
-    return int(given if given is not None else recorded)
+    return given if given is not None else recorded

@@ -51,7 +51,8 @@ from eagle_train.modeling.head_checkpoint import (
     read_head_weights,
 )
 from eagle_train.modeling.target import DTYPE_NAMES
-from eagle_train.runtime.atomic_files import atomic_write_dir, atomic_write_into, read_json
+from eagle_train.runtime.atomic_files import atomic_write_dir, atomic_write_into, check_output_dir, read_json
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def fold_fc_bias(state: dict[str, torch.Tensor], config: dict[str, Any]) -> None
             key = f"layers.{i}.self_attn.{proj}.bias"
             if key not in state:
                 if had_bias:
-                    raise ValueError(f"config says attention_bias but {key} is missing")
+                    raise InputError(f"config says attention_bias but {key} is missing")
                 state[key] = torch.zeros(w.shape[0], dtype=w.dtype)
             if i == 0:
                 add = bias if proj == "o_proj" else w.double() @ bias
@@ -147,16 +148,16 @@ def check_reference_representable(head: DraftHead, config: dict[str, Any]) -> No
     """Refuse what the reference's EConfig / cnets.Model cannot hold, rather than export a wrong head."""
     scaling = config["rope_scaling"]
     if scaling is not None and scaling["type"] not in ("linear", "dynamic"):
-        raise ValueError(
+        raise InputError(
             f"format=eagle: the EAGLE reference only knows linear/dynamic RoPE scaling, this head uses "
             f"{scaling['type']!r}; export with format=vllm or format=sglang instead"
         )
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(
+        raise InputError(
             "format=eagle: the EAGLE reference's layer has no o_proj/MLP biases; use format=sglang"
         )
     if head.config.head_dim * head.config.num_attention_heads != head.config.hidden_size:
-        raise ValueError(
+        raise InputError(
             "format=eagle: the EAGLE reference needs head_dim * num_attention_heads == hidden_size"
         )
 
@@ -164,11 +165,11 @@ def check_reference_representable(head: DraftHead, config: dict[str, Any]) -> No
 def check_sglang_representable(config: dict[str, Any]) -> None:
     """SGLang's Llama layer has an MLP without biases (a bias in the file is skipped silently) and only SiLU."""
     if config.get("mlp_bias"):
-        raise ValueError(
+        raise InputError(
             "format=sglang: SGLang's LlamaMLP has no biases and would skip them silently; use format=vllm"
         )
     if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(
+        raise InputError(
             f"format=sglang: SGLang's LlamaMLP supports silu only, this head uses {config['hidden_act']!r}"
         )
 
@@ -204,7 +205,7 @@ def export_head(
     unless it is an earlier `fmt` export or `overwrite` is set (`check_export_dir`).
     """
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+        raise InputError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     out_dir = Path(out_dir)
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")
@@ -221,14 +222,14 @@ def export_head(
         write = eagle3_writer(head, fmt, llama, info, dtype, embed_tokens, speculative_tokens)
         return publish_export(out_dir, fmt, write, replace_whole)
     if fmt == "speculators":
-        raise ValueError("format=speculators has no EAGLE-1 head type; export with format=vllm")
+        raise InputError("format=speculators has no EAGLE-1 head type; export with format=vllm")
     state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in head.trainable_state_dict().items()}
     config = llama_config_dict(head, dtype)
     fc_bias = "fc.bias" in state
     info = {**(meta or {}), "format": fmt, "fc_bias": fc_bias}
     if fmt == "vllm" and fc_bias:
         if not fold_bias:
-            raise ValueError(
+            raise InputError(
                 "format=vllm: vLLM's EAGLE fc has no bias and skips fc.bias silently, which changes every draft "
                 "token. Train with draft.fc_bias=false, or export with fc_bias=fold (exact: moves the bias into "
                 "layer 0's attention biases)."
@@ -244,13 +245,13 @@ def export_head(
     if fmt == "eagle":
         check_reference_representable(head, config)
         if embed_tokens is None:
-            raise ValueError(
+            raise InputError(
                 "format=eagle: the reference loads embed_tokens.weight strictly; pass the target's embedding"
             )
         config = reference_config(config, fc_bias)
     if embed_tokens is not None:
         if embed_tokens.shape != (config["vocab_size"], config["hidden_size"]):
-            raise ValueError(f"embedding shape {tuple(embed_tokens.shape)} does not match the head's config")
+            raise InputError(f"embedding shape {tuple(embed_tokens.shape)} does not match the head's config")
         state["embed_tokens.weight"] = embed_tokens.detach().to("cpu", torch.float32).clone()
     config["architectures"] = [ARCHITECTURES[fmt]]
     config["eagle_train"] = info
@@ -290,24 +291,16 @@ def exported_format(out_dir: Path) -> str | None:
 
 
 def check_export_dir(out_dir: Path, fmt: str, overwrite: bool) -> bool:
-    """Whether `out_dir` can be replaced whole: it does not exist, or holds exactly an earlier `fmt`
-    export. An empty directory, or any directory with `overwrite`, is written into (False). Anything
-    else is refused: export never deletes files it did not write."""
-    if not out_dir.exists():
-        return True
-    if not out_dir.is_dir():
-        raise FileExistsError(f"export: {out_dir} exists and is not a directory")
-    entries = sorted(p.name for p in out_dir.iterdir())
-    if entries and set(entries) <= set(LAYOUT_FILES[fmt]) and exported_format(out_dir) == fmt:
-        return True
-    if not entries or overwrite:
-        return False
-    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    raise FileExistsError(
-        f"export: {out_dir} is not empty and is not an earlier format={fmt} export (it holds {shown}); "
-        f"choose a new or empty directory, or pass overwrite=true, which writes "
-        f"{' and '.join(LAYOUT_FILES[fmt])} there and deletes nothing else"
-    )
+    """Whether `out_dir` is replaced whole (`check_output_dir`): it does not exist or holds exactly an
+    earlier `fmt` export. An empty directory, or any directory with `overwrite`, is written into (False).
+    Anything else is refused: export never deletes files it did not write."""
+
+    def own() -> bool:
+        entries = {p.name for p in out_dir.iterdir()}
+        return entries <= set(LAYOUT_FILES[fmt]) and exported_format(out_dir) == fmt
+
+    writes = " and ".join(LAYOUT_FILES[fmt])
+    return check_output_dir(out_dir, own, overwrite, f"an earlier format={fmt} export", writes)
 
 
 def load_input_embedding(source: str | Path) -> torch.Tensor:
@@ -342,9 +335,9 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as err:  # a pickle with code in it, or a corrupt file
-                raise ValueError(f"{file}: not a plain tensor state dict ({err})") from err
+                raise InputError(f"{file}: not a plain tensor state dict ({err})") from err
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-                raise ValueError(f"{file}: expected a dict of tensors")
+                raise InputError(f"{file}: expected a dict of tensors")
             return state, file
     raise FileNotFoundError(f"draft head {path}: no weights ({WEIGHTS_NAME} or {BIN_NAME})")
 
@@ -358,10 +351,10 @@ def head_state(raw: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tens
         if key.startswith(("embed_tokens.", "lm_head.")) or key.endswith("rotary_emb.inv_freq"):
             continue
         if not key.startswith(("fc.", "layers.")):
-            raise ValueError(f"{file}: unexpected tensor {key!r} for an EAGLE-1/2 head")
+            raise InputError(f"{file}: unexpected tensor {key!r} for an EAGLE-1/2 head")
         state[key] = value
     if "fc.weight" not in state:
-        raise ValueError(f"{file}: no fc.weight: not an EAGLE draft head")
+        raise InputError(f"{file}: no fc.weight: not an EAGLE draft head")
     return state
 
 
@@ -376,7 +369,7 @@ def head_config(raw: dict[str, Any], state: dict[str, torch.Tensor] | None = Non
         if raw.get("rope_scaling"):
             kwargs["rope_scaling"] = raw["rope_scaling"]
     if "qkv_bias" in raw and not kwargs.get("attention_bias"):
-        raise ValueError("config.json: qkv_bias (q/k/v biases without o_proj) is not supported")
+        raise InputError("config.json: qkv_bias (q/k/v biases without o_proj) is not supported")
     layers = [int(k.split(".")[1]) for k in state or {} if k.startswith("layers.")]
     kwargs["num_hidden_layers"] = 1 + max(layers, default=0)
     shape = attention_shape(kwargs)
@@ -392,12 +385,12 @@ def check_matches_target(config: LlamaConfig, state: dict[str, torch.Tensor], ta
         or config.hidden_size != target.hidden_size
         or state["fc.weight"].shape[1] != 2 * d
     ):
-        raise ValueError(
+        raise InputError(
             f"{file}: head hidden size {d} (config {config.hidden_size}) does not match the target's "
             f"{target.hidden_size} ({target.source}): this head was trained for another model"
         )
     if config.vocab_size != target.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"{file}: head vocabulary {config.vocab_size} does not match the target's {target.vocab_size} ({target.source})"
         )
 
@@ -475,7 +468,7 @@ def load_draft(
     try:
         raw_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{config_file}: not valid JSON ({err})") from err
+        raise InputError(f"{config_file}: not valid JSON ({err})") from err
     check_head_files(path)
     raw_state, file = read_weights(path)
     from eagle_train.interop.eagle3_layouts import flat_config, is_eagle3, load_eagle3
@@ -495,8 +488,8 @@ def load_draft(
     try:
         missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     except RuntimeError as err:  # shapes that do not fit the config
-        raise ValueError(f"{file}: tensors do not match {config_file}: {err}") from err
+        raise InputError(f"{file}: tensors do not match {config_file}: {err}") from err
     missing = [k for k in missing if k.startswith(("fc.", "layers."))]
     if missing or unexpected:
-        raise ValueError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
+        raise InputError(f"{file}: missing tensors {missing}, unexpected tensors {unexpected}")
     return head.to(device or target.device, target.dtype).eval()

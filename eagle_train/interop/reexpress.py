@@ -13,11 +13,18 @@ head_dim D is the same function with head_dim N = r * D when, per head (q, k and
   2, exact in floating point).
 
 `widen_state` applies this to any state dict (a target's `model.layers.N.self_attn.*` or a draft head's
-`layers.N.self_attn.*`, an EAGLE-3 head's `midlayer.self_attn.*`); `widen_model_dir` writes a re-expressed target directory (config, weights,
-tokenizer); `widen_head` returns a re-expressed draft head. Only RoPE whose frequencies depend on the
-frequency alone (default, linear, llama3) re-expresses exactly; others are refused.
+`layers.N.self_attn.*`, an EAGLE-3 head's `midlayer.self_attn.*`); `widen_model_dir` writes a re-expressed
+target directory (config, weights, tokenizer); `widen_head` returns a re-expressed draft head. Only RoPE
+whose frequencies depend on the frequency alone (default, linear, llama3) re-expresses exactly; others are
+refused, and so is a head_dim that is not a positive multiple of the model's.
 
-    python -m eagle_train.interop.reexpress [SRC] OUT [--head-dim 32]     (SRC: the default target)
+    python -m eagle_train.interop.reexpress [SRC] OUT [--head-dim 32] [--overwrite]   (SRC: the default target)
+
+OUT is written atomically under its output lock and never removes what this command did not write
+(eagle_train.runtime.atomic_files.check_output_dir): it must be absent, empty or an earlier output of this
+command (config.json records `eagle_train_reexpressed`; replaced whole); `--overwrite` writes the model's
+files into any other directory (deleting nothing else) or replaces a file in its place. OUT == SRC is
+refused even then.
 """
 
 from __future__ import annotations
@@ -37,7 +44,15 @@ from transformers import LlamaConfig
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME
-from eagle_train.runtime.atomic_files import atomic_write_dir
+from eagle_train.runtime.atomic_files import (
+    atomic_write_dir,
+    atomic_write_into,
+    check_output_dir,
+    read_json,
+    remove_partial_files,
+)
+from eagle_train.runtime.errors import InputError, user_errors
+from eagle_train.runtime.output_lock import OutputLock
 
 ATTENTION_KEY = re.compile(r"(^|\.)self_attn\.([qkvo])_proj\.(weight|bias)$")
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
@@ -54,10 +69,18 @@ SIDE_FILES = (
 )
 
 
+def check_head_dims(head_dim: int, new_head_dim: int) -> None:
+    """InputError unless `new_head_dim` can hold `head_dim` exactly: a positive multiple of it (even)."""
+    if head_dim <= 0 or head_dim % 2 or new_head_dim <= 0 or new_head_dim % head_dim:
+        raise InputError(
+            f"head_dim {new_head_dim} is not an even multiple of {head_dim}: the new head_dim (--head-dim) must "
+            f"be a positive multiple of the model's ({head_dim}, e.g. {4 * max(head_dim, 1)})"
+        )
+
+
 def rotary_slots(head_dim: int, new_head_dim: int) -> torch.Tensor:
     """[head_dim] the slot of each original dimension in a head of `new_head_dim`."""
-    if head_dim % 2 or new_head_dim % head_dim:
-        raise ValueError(f"head_dim {new_head_dim} is not an even multiple of {head_dim}")
+    check_head_dims(head_dim, new_head_dim)
     r, half = new_head_dim // head_dim, head_dim // 2
     j = torch.arange(half)
     return torch.cat([r * j, new_head_dim // 2 + r * j])
@@ -76,6 +99,7 @@ def _spread(tensor: torch.Tensor, dim: int, head_dim: int, new_head_dim: int) ->
 @torch.no_grad()
 def widen_state(state: dict[str, torch.Tensor], head_dim: int, new_head_dim: int) -> dict[str, torch.Tensor]:
     """A new state dict: every attention projection re-expressed with `new_head_dim` (others shared)."""
+    check_head_dims(head_dim, new_head_dim)
     scale = math.sqrt(new_head_dim / head_dim)
     out = {}
     for key, value in state.items():
@@ -97,12 +121,12 @@ def check_exact(config: dict[str, Any]) -> int:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in EXACT_ROPE_TYPES:
-        raise ValueError(
+        raise InputError(
             f"RoPE type {rope_type!r} depends on head_dim itself: the re-expression would not be "
             f"exact (supported: {EXACT_ROPE_TYPES})"
         )
     if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings cannot be re-expressed with this mapping")
+        raise InputError("partial rotary embeddings cannot be re-expressed with this mapping")
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
@@ -124,35 +148,67 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
         return {k: v for f in files for k, v in load_file(str(path / f)).items()}
     if (path / WEIGHTS_NAME).is_file():
         return load_file(str(path / WEIGHTS_NAME))
-    raise FileNotFoundError(
-        f"{path}: no {WEIGHTS_NAME} (safetensors weights are needed to re-express a model)"
+    raise InputError(f"{path}: no {WEIGHTS_NAME} (safetensors weights are needed to re-express a model)")
+
+
+def is_reexpressed(path: Path) -> bool:
+    """Whether `path` holds an earlier output of `widen_model_dir` (its files only)."""
+    try:
+        config = read_json(path / CONFIG_NAME)
+    except ValueError:
+        return False
+    names = {p.name for p in path.iterdir()}
+    return (
+        isinstance(config, dict)
+        and "eagle_train_reexpressed" in config
+        and names <= {CONFIG_NAME, WEIGHTS_NAME, *SIDE_FILES}
     )
 
 
-def widen_model_dir(source: str | Path, out_dir: str | Path, new_head_dim: int = 32) -> Path:
-    """Write the Llama at `source` re-expressed with `new_head_dim` to `out_dir` (atomically): config.json,
-    one model.safetensors, the tokenizer and generation files as they are."""
+def check_reexpress_out(source: Path, out_dir: Path, overwrite: bool) -> bool:
+    """Whether `out_dir` is replaced whole (True) or written into (False): `check_output_dir`'s rule, and
+    never the source model itself."""
+    if out_dir.resolve() == source.resolve():
+        raise InputError(f"OUT {out_dir} is the source model itself: choose another output directory")
+    what = "an earlier output of eagle_train.interop.reexpress"
+    writes = f"{CONFIG_NAME}, {WEIGHTS_NAME} and the tokenizer files"
+    own = lambda: is_reexpressed(out_dir)  # noqa: E731
+    return check_output_dir(out_dir, own, overwrite, what, writes, "--overwrite")
+
+
+def widen_model_dir(
+    source: str | Path, out_dir: str | Path, new_head_dim: int = 32, overwrite: bool = False
+) -> Path:
+    """Write the Llama at `source` re-expressed with `new_head_dim` to `out_dir` (atomically, under its lock;
+    `check_reexpress_out` says whether it is replaced or written into): config.json, one model.safetensors,
+    the tokenizer and generation files as they are."""
     source, out_dir = Path(source), Path(out_dir)
-    config = json.loads((source / CONFIG_NAME).read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(
-            f"{source}: model_type {config.get('model_type')!r}; only Llama models are re-expressed"
-        )
+    config = read_json(source / CONFIG_NAME, "model config")
+    if not isinstance(config, dict) or config.get("model_type") != "llama":
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        raise InputError(f"{source}: model_type {model_type!r}; only Llama models are re-expressed")
     head_dim = check_exact(config)
+    check_head_dims(head_dim, new_head_dim)
     new_config = widened_config(config, new_head_dim)
     new_config["eagle_train_reexpressed"]["source"] = str(source)
-    state = widen_state(read_model_weights(source), head_dim, new_head_dim)
+    with OutputLock(out_dir, "reexpress"):
+        replace_whole = check_reexpress_out(source, out_dir, overwrite)
+        state = widen_state(read_model_weights(source), head_dim, new_head_dim)
 
-    def write(tmp: Path) -> None:
-        save_file(
-            {k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"}
-        )
-        (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
-        for name in SIDE_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, tmp / name)
+        def write(tmp: Path) -> None:
+            weights = {k: v.contiguous() for k, v in state.items()}
+            save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+            for name in SIDE_FILES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, tmp / name)
 
-    atomic_write_dir(out_dir, write)
+        if out_dir.parent.is_dir():
+            remove_partial_files(out_dir.parent, out_dir.name)  # a killed run's temporary directory
+        if replace_whole:
+            atomic_write_dir(out_dir, write)
+        else:
+            atomic_write_into(out_dir, write)
     return out_dir
 
 
@@ -164,6 +220,7 @@ def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | E
     head_dim = check_exact(config_dict)
     if head_dim == new_head_dim:
         return head
+    check_head_dims(head_dim, new_head_dim)
     config = LlamaConfig(**{**config_dict, "head_dim": new_head_dim})
     wide = (
         head.with_config(config)
@@ -175,6 +232,7 @@ def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | E
 
 
 def main(argv: list[str] | None = None) -> None:
+    """CLI entry point; a user error ends it in one line (eagle_train.runtime.errors)."""
     from eagle_train.config.base import resolve_path, to_schema
     from eagle_train.config.target import TargetConfig
     from eagle_train.modeling.target import target_source
@@ -187,11 +245,17 @@ def main(argv: list[str] | None = None) -> None:
         help="source model directory (default: the default target) and the directory to write",
     )
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an OUT that is not empty and not an earlier output (nothing else there is deleted)",
+    )
     args = parser.parse_args(argv)
     if len(args.paths) > 2:
         parser.error("give at most SRC and OUT")
-    source = args.paths[0] if len(args.paths) == 2 else target_source(to_schema({}, TargetConfig))
-    out = widen_model_dir(resolve_path(source) or source, args.paths[-1], args.head_dim)
+    with user_errors():
+        source = args.paths[0] if len(args.paths) == 2 else target_source(to_schema({}, TargetConfig))
+        out = widen_model_dir(resolve_path(source) or source, args.paths[-1], args.head_dim, args.overwrite)
     print(f"wrote {out} (head_dim {args.head_dim})")
 
 

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_train.runtime.errors import InputError
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Config fields of hybrid models with recurrent (state-space / linear-attention) layers.
 HYBRID_FIELDS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "mamba_d_state")
 
 
-class UnsupportedAttention(ValueError):
+class UnsupportedAttention(InputError):
     """The target's attention cannot be reproduced exactly by the decode-time forward."""
 
 

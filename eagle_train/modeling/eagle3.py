@@ -35,6 +35,7 @@ from eagle_train.modeling.draft import (
     frozen_modules,
 )
 from eagle_train.modeling.draft_vocab import d2t_from_t2d, draft_ids
+from eagle_train.runtime.errors import InputError
 
 
 class Eagle3Layer(nn.Module):
@@ -260,9 +261,9 @@ def eagle3_head_args(config: LlamaConfig, raw: dict) -> dict:
     """The head's constructor arguments beyond the Llama shape and aux layers that a config.json gives
     (draft vocabulary, EAGLE-3.1 switches, the target's width), after refusing what it cannot hold."""
     if raw.get("norm_before_fc"):
-        raise ValueError("norm_before_fc (one RMSNorm over the fused 3d input) is not supported")
+        raise InputError("norm_before_fc (one RMSNorm over the fused 3d input) is not supported")
     if raw.get("norm_before_residual"):
-        raise ValueError("norm_before_residual: true (the residual taken after hidden_norm) is not supported")
+        raise InputError("norm_before_residual: true (the residual taken after hidden_norm) is not supported")
     return {
         "draft_vocab_size": int(raw.get("draft_vocab_size") or config.vocab_size),
         "fc_norm": bool(raw.get("fc_norm")),

@@ -30,6 +30,7 @@ from transformers.utils import cached_file
 from eagle_train.config.target import TargetConfig
 from eagle_train.modeling.target import (
     TargetParts,
+    check_preset_ids,
     error_reason,
     load_target_config,
     load_tokenizer,
@@ -37,6 +38,7 @@ from eagle_train.modeling.target import (
     torch_dtype,
 )
 from eagle_train.runtime.atomic_files import cached_sha256
+from eagle_train.runtime.errors import InputError
 
 # (file, format) in the order Hugging Face prefers them
 WEIGHT_FILES = (
@@ -47,7 +49,7 @@ WEIGHT_FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """The target's checkpoint files lack what is asked for (the message names the file and the key)."""
 
 
@@ -245,4 +247,6 @@ def load_frozen_target(
             {p.removeprefix("norm."): w for p, w in weight.items() if p.startswith("norm.")}
         )
         module.requires_grad_(False).eval()
-    return FrozenTarget(config, load_tokenizer(cfg), cfg, source, embed, lm_head, module)
+    tokenizer = load_tokenizer(cfg)
+    check_preset_ids(cfg, tokenizer, int(lm_head.weight.shape[0]))
+    return FrozenTarget(config, tokenizer, cfg, source, embed, lm_head, module)

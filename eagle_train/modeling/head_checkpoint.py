@@ -34,12 +34,15 @@ from eagle_train.modeling.eagle3 import (
 )
 from eagle_train.modeling.peagle import (
     PEAGLE_FIELDS,
+    check_placeholder_tensors,
     is_peagle_config,
     peagle_config_fields,
     peagle_from_config,
     recorded_mask_token,
 )
+from eagle_train.modeling.target import error_reason
 from eagle_train.runtime.atomic_files import atomic_write_dir, file_sha256, read_json
+from eagle_train.runtime.errors import InputError
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -67,7 +70,7 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str | Path) -> None
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(
+            raise InputError(
                 f"{where}: {name} holds {bad} non-finite values (NaN or inf): refusing this head"
             )
 
@@ -108,13 +111,18 @@ def recorded_checksums(path: Path) -> list[tuple[str, str, Path]]:
 
 
 def check_head_files(path: str | Path) -> None:
-    """ValueError naming the file when a head file of `path` no longer has the sha256 recorded when it was
-    saved (`recorded_checksums`): a bit flip, a truncation or an edit since. A head without records
-    (another project's, an export) passes."""
+    """InputError naming the file when a head file of `path` is missing or no longer has the sha256
+    recorded when it was saved (`recorded_checksums`): a bit flip, a truncation or an edit since. A head
+    without records (another project's, an export) passes."""
     path = Path(path)
     for name, sha, where in recorded_checksums(path):
-        if not (path / name).is_file() or file_sha256(path / name) != sha:
-            raise ValueError(
+        if not (path / name).is_file():
+            raise InputError(
+                f"{path / name}: missing, although {where.name} records its sha256 (the head was saved with "
+                "it): restore the file, or use another head"
+            )
+        if file_sha256(path / name) != sha:
+            raise InputError(
                 f"{path / name}: its sha256 differs from the one {where.name} recorded when the head was "
                 "saved (the file was damaged or changed since; if you changed the weights on purpose, "
                 f"remove the record from {where})"
@@ -126,7 +134,7 @@ def read_head_weights(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except SafetensorError as err:
-        raise ValueError(f"{file}: not a readable safetensors file ({err}): truncated or damaged") from None
+        raise InputError(f"{file}: not a readable safetensors file ({err}): truncated or damaged") from None
 
 
 def load_head(
@@ -147,7 +155,7 @@ def load_head(
     dropped = ("architectures", "model_type", *(EAGLE3_FIELDS + PEAGLE_FIELDS if eagle3 else ()))
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
     if peagle:
-        mask = recorded_mask_token(raw)
+        mask = recorded_mask_token(raw, config_file, config.vocab_size, required=True)
         head = peagle_from_config(config, raw, recorded_aux_layers(raw), mask, target=target)
     elif eagle3:
         head = eagle3_from_config(config, raw, recorded_aux_layers(raw), target=target)
@@ -155,10 +163,15 @@ def load_head(
         head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)), target=target)
     state = read_head_weights(weights_file)
     check_finite(state, weights_file)
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    if peagle:
+        check_placeholder_tensors(head, state, weights_file)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shapes that do not fit the config
+        raise InputError(f"{weights_file}: tensors do not match {config_file}: {error_reason(err)}") from None
     missing = [k for k in missing if k in head.trainable_state_dict()]
     if missing or unexpected:
-        raise ValueError(
+        raise InputError(
             f"draft checkpoint {weights_file}: missing keys {missing}, unexpected keys {unexpected}"
         )
     return head.to(device), meta

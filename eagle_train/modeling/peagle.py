@@ -16,17 +16,30 @@ the final norm, its own LM head over the draft vocabulary, d2t / t2d) plus two l
 
 The serving layouts (vLLM, speculators) carry the whole embedding with the learned row in place
 (`serving_embedding`), the id as `mask_token_id` and as vLLM's `pard_token`.
+
+A placeholder token (P-EAGLE's mask token; any head that drafts through placeholders) must be an id the
+target never emits: an integer inside the vocabulary, none of its BOS / EOS / PAD / stop ids, and at
+training absent from the data. `check_placeholder_token` is the one check, at training (the id chosen or
+given), export and import (the id a config.json records: missing, not an integer or out of range is an
+InputError naming the file and the key); `check_placeholder_tensors` refuses a `mask_hidden` or
+`mask_embedding` of the wrong shape, naming the file and the tensor.
 """
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, PretrainedConfig
 
 from eagle_train.config.target import NUM_AUX_LAYERS
 from eagle_train.modeling.draft import draft_llama_config
 from eagle_train.modeling.eagle3 import Eagle3Head, eagle3_config_fields, eagle3_head_args
+from eagle_train.runtime.errors import InputError
 
 MASK_KEYS = ("mask_hidden", "mask_embedding")
 PEAGLE_FIELDS = ("mask_token_id", "pard_token", "ptd_token_id")  # config.json fields beyond EAGLE-3's
@@ -48,11 +61,7 @@ class PEagleHead(Eagle3Head):
         target=None,
     ):
         super().__init__(config, aux_layers, draft_vocab_size, fc_norm, False, target_hidden_size, target)
-        if not 0 <= int(mask_token_id) < config.vocab_size:
-            raise ValueError(
-                f"mask token id {mask_token_id} is outside the vocabulary [0, {config.vocab_size})"
-            )
-        self.mask_token_id = int(mask_token_id)
+        self.mask_token_id = check_placeholder_token(mask_token_id, config.vocab_size, {}, "mask_token_id")
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, NUM_AUX_LAYERS * self.target_hidden_size))
         self.mask_embedding = nn.Parameter(
             self.embed_tokens.weight[self.mask_token_id].detach().float().clone()
@@ -133,12 +142,99 @@ def is_peagle_config(raw: dict) -> bool:
     )
 
 
-def recorded_mask_token(raw: dict) -> int | None:
-    """The mask token a config.json names (mask_token_id, pard_token or ptd_token_id), or None."""
-    for key in PEAGLE_FIELDS:
-        if raw.get(key) is not None:
-            return int(raw[key])
-    return None
+def special_token_ids(tokenizer, stop_ids: Iterable[int] = ()) -> dict[int, str]:
+    """{id: what it is} of the ids a placeholder token may never be: the tokenizer's BOS, EOS and PAD and
+    every stop id (the preset's and the generation config's: `Target.stop_token_ids`)."""
+    special = {int(i): "a stop id the target emits" for i in stop_ids}
+    for name in ("pad", "eos", "bos"):
+        i = getattr(tokenizer, f"{name}_token_id", None)
+        if i is not None:
+            special[int(i)] = f"the target's {name.upper()} token"
+    return special
+
+
+def target_special_ids(target) -> dict[int, str]:
+    """`special_token_ids` of a loaded target (a `Target`, with its generation config's stop ids, or a
+    frozen one: its preset's)."""
+    stop_ids = getattr(target, "stop_token_ids", None)
+    return special_token_ids(target.tokenizer, target.cfg.stop_token_ids if stop_ids is None else stop_ids)
+
+
+def source_special_ids(source: str | Path, stop_ids: Iterable[int] = ()) -> dict[int, str]:
+    """`special_token_ids` of the target at `source` (its tokenizer and generation_config.json) plus
+    `stop_ids` (a head's record of its preset's): what export checks a head's mask token against."""
+    stop_ids = [int(i) for i in stop_ids]
+    if (Path(source) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(source)).eos_token_id
+        stop_ids += [int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
+    return special_token_ids(AutoTokenizer.from_pretrained(str(source)), stop_ids)
+
+
+def check_placeholder_token(
+    value: Any,
+    vocab_size: int,
+    special: Mapping[int, str],
+    where: str,
+    used: torch.Tensor | None = None,
+) -> int:
+    """The placeholder token id `value` read from `where` (a file and its key, or a setting), as an int:
+    an integer in [0, vocab_size) that is none of `special` (`special_token_ids`) and, with `used`
+    ([vocab] bool: the training data's token ids), absent from the data. InputError naming `where`, the
+    value and why otherwise: a placeholder that the target emits, or that the data holds, would stand for
+    a real token."""
+    if value is None:
+        raise InputError(f"{where}: missing (a P-EAGLE head needs the id of its mask token)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"{where}: {value!r} is not an integer token id")
+    token = int(value)
+    if not 0 <= token < vocab_size:
+        raise InputError(f"{where}: {token} is outside the vocabulary [0, {vocab_size})")
+    if token in special:
+        raise InputError(
+            f"{where}: {token} is {special[token]}: a placeholder must be a token the target never emits"
+        )
+    if used is not None and bool(used[token]):
+        raise InputError(
+            f"{where}: {token} occurs in the training data: the placeholder would stand for a real token"
+        )
+    return token
+
+
+def mask_token_entries(raw: dict) -> dict[str, Any]:
+    """{key: value} of the mask token fields a config.json holds (mask_token_id, pard_token, ptd_token_id)."""
+    return {key: raw[key] for key in PEAGLE_FIELDS if raw.get(key) is not None}
+
+
+def recorded_mask_token(
+    raw: dict,
+    file: str | Path,
+    vocab_size: int,
+    special: Mapping[int, str] | None = None,
+    required: bool = False,
+) -> int | None:
+    """The mask token a config.json (`file`) names, checked (`check_placeholder_token`, naming the file
+    and the key), or None when it names none (`required`: an InputError naming `mask_token_id`). Fields
+    that name different ids are refused."""
+    if required and not mask_token_entries(raw):
+        check_placeholder_token(raw.get("mask_token_id"), vocab_size, {}, f"{file}: mask_token_id")
+    checked = {
+        key: check_placeholder_token(value, vocab_size, special or {}, f"{file}: {key}")
+        for key, value in mask_token_entries(raw).items()
+    }
+    if len(set(checked.values())) > 1:
+        raise InputError(f"{file}: its mask token fields disagree ({checked})")
+    return next(iter(checked.values()), None)
+
+
+def check_placeholder_tensors(head: PEagleHead, state: Mapping[str, torch.Tensor], file: str | Path) -> None:
+    """InputError naming the file and the tensor when `mask_hidden` or `mask_embedding` in `state` has
+    another shape than `head`'s ([1, 1, 3 d_t] and [d])."""
+    for key in MASK_KEYS:
+        if key in state and tuple(state[key].shape) != tuple(getattr(head, key).shape):
+            raise InputError(
+                f"{file}: {key} has shape {list(state[key].shape)}; a P-EAGLE head of this config.json "
+                f"needs {list(getattr(head, key).shape)}"
+            )
 
 
 def peagle_from_config(
@@ -147,5 +243,5 @@ def peagle_from_config(
     """An (untrained) P-EAGLE head of the shape a config.json describes (see `eagle3_from_config`)."""
     args = eagle3_head_args(config, raw)
     if args.pop("norm_output"):
-        raise ValueError("a P-EAGLE head never feeds a state back: norm_output is not supported")
+        raise InputError("a P-EAGLE head never feeds a state back: norm_output is not supported")
     return PEagleHead(config, aux_layers, mask_token_id=mask_token_id, **args, target=target)

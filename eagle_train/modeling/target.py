@@ -46,6 +46,7 @@ from transformers import __version__ as transformers_version
 
 from eagle_train.config.base import resolve_path
 from eagle_train.config.target import FLOAT_DTYPES, TargetConfig, resolve_aux_layers
+from eagle_train.data.templates import TEMPLATES
 from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.modeling.attention_layout import (
     AttentionLayout,
@@ -57,6 +58,7 @@ from eagle_train.modeling.attention_layout import (
 from eagle_train.modeling.decode_check import check_decode
 from eagle_train.modeling.gguf import gguf_model_dir, is_gguf_target
 from eagle_train.modeling.logit_transform import LogitTransform
+from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
 # Attention implementations that take the decoder's 4-D boolean mask (a tree: each node sees the prefix and
@@ -88,13 +90,32 @@ def target_source(cfg: TargetConfig) -> str:
         return str(gguf_model_dir(cfg))
     local = resolve_path(cfg.path)
     if local is not None and Path(local).exists():
-        return str(local)
+        return str(check_model_dir(cfg.path, Path(local)))
     if not cfg.path or not HUB_ID.match(cfg.path) or cfg.path.startswith((".", "~")):
         raise FileNotFoundError(
             f"target.path={cfg.path!r}: no such directory (a local model directory or a hub id like "
             "org/name is expected)"
         )
     return cfg.path
+
+
+def check_model_dir(given: str, local: Path) -> Path:
+    """`local` (what target.path=`given` names) if it is a model directory (it holds config.json); else an
+    InputError naming target.path and what is there: a file, an empty directory, or other files."""
+    if not local.is_dir():
+        raise InputError(
+            f"target.path={given!r}: {local} is a file, not a model directory (a Hugging Face model "
+            "directory holding config.json, or a hub id like org/name, is expected)"
+        )
+    if not (local / "config.json").is_file():
+        names = sorted(p.name for p in local.iterdir())
+        held = (
+            "it is empty" if not names else "it holds " + ", ".join(names[:5]) + (", ..." * (len(names) > 5))
+        )
+        raise InputError(
+            f"target.path={given!r}: {local} has no config.json ({held}): not a Hugging Face model directory"
+        )
+    return local
 
 
 def logit_transform(config) -> LogitTransform:
@@ -127,7 +148,7 @@ def check_output_logits(model: PreTrainedModel, transform: LogitTransform, lengt
     # the same ops on the same inputs: equal up to a few units of the logits' rounding
     if gap > 4 * torch.finfo(out.logits.dtype).eps * (1.0 + float(theirs.abs().max())):
         fields = {k: getattr(model.config.get_text_config(), k, None) for k in LOGIT_FIELDS}
-        raise ValueError(
+        raise InputError(
             f"{model.config.model_type}: the model's logits are not {transform} applied to lm_head(last hidden "
             f"state) (max difference {gap:.4g}); its forward post-processes them in a way eagle-train does "
             f"not reproduce (config fields {fields}), so this target is not supported"
@@ -491,10 +512,53 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
 
 
 def load_target_config(cfg: TargetConfig):
-    """The target's Hugging Face config (no weights loaded)."""
-    return AutoConfig.from_pretrained(
-        target_source(cfg), trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
-    )
+    """The target's Hugging Face config (no weights loaded). A hub id the hub cannot provide (offline, no
+    such repository, no access) is an InputError naming target.path."""
+    source = target_source(cfg)
+    try:
+        return AutoConfig.from_pretrained(
+            source, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+        )
+    except OSError as err:
+        if Path(source).is_dir():
+            raise
+        raise InputError(
+            f"target.path={cfg.path!r}: no local directory of that name, and the hub cannot provide it "
+            f"({error_reason(err)})"
+        ) from None
+
+
+def check_preset_ids(cfg: TargetConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """InputError naming the preset (target.name) and the id when the preset does not fit the model: a stop
+    id outside the model's `vocab_size` rows, a special token of the tokenizer (BOS, EOS, PAD, UNK) outside
+    them, or a fallback chat template (used when the tokenizer has none, or target.force_template) whose
+    turn markers (`<|im_start|>`, `<|eot_id|>`, ...) this tokenizer does not have as one token."""
+    where = f"target={cfg.name} (target.path={cfg.path})"
+    for i in cfg.stop_token_ids:
+        if not 0 <= int(i) < vocab_size:
+            raise InputError(
+                f"{where}: stop_token_ids holds {i}, outside the model's vocabulary of {vocab_size} tokens: "
+                "the preset is for another model (choose this model's preset, or set target.stop_token_ids)"
+            )
+    for name in ("bos", "eos", "pad", "unk"):
+        i = getattr(tokenizer, f"{name}_token_id", None)
+        if i is not None and not 0 <= int(i) < vocab_size:
+            raise InputError(
+                f"{where}: the tokenizer's {name.upper()} id {i} is outside the model's vocabulary of "
+                f"{vocab_size} tokens: the tokenizer is another model's"
+            )
+    if cfg.chat_template is None or (getattr(tokenizer, "chat_template", None) and not cfg.force_template):
+        return
+    template = TEMPLATES.get(cfg.chat_template)
+    text = "".join(str(v) for v in vars(template).values()) if template else ""
+    for marker in sorted(set(re.findall(r"<\|[^|<>\s]+\|>", text))):
+        i = tokenizer.convert_tokens_to_ids(marker)
+        if i is None or i == tokenizer.unk_token_id or not 0 <= int(i) < vocab_size:
+            raise InputError(
+                f"{where}: chat_template={cfg.chat_template} marks turns with {marker}, which is no token of "
+                "this model's tokenizer: the preset is for another model (choose this model's preset, or set "
+                "target.chat_template)"
+            )
 
 
 def attention_to_load(cfg: TargetConfig) -> str:
@@ -510,7 +574,7 @@ def attention_to_load(cfg: TargetConfig) -> str:
     if getattr(model_class, "_supports_sdpa", True):
         return "sdpa"
     if cfg.attn_implementation == "sdpa":
-        raise ValueError(
+        raise InputError(
             f"target.attn_implementation=sdpa: {model_class.__name__} has no sdpa attention in transformers "
             f"{transformers_version}; use eager (or leave target.attn_implementation unset)"
         )
@@ -542,7 +606,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
             device_map=cfg.device_map,
         )
     except (SafetensorError, pickle.UnpicklingError) as err:  # a weight file cut short, or forged
-        raise ValueError(
+        raise InputError(
             f"target {source}: a weight file cannot be read ({error_reason(err)}): damaged, or not a "
             "checkpoint of plain tensors"
         ) from None
@@ -552,4 +616,5 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     model.requires_grad_(False)
     check_output_logits(model, logit_transform(model.config))
     tokenizer = load_tokenizer(cfg)
+    check_preset_ids(cfg, tokenizer, int(model.get_output_embeddings().weight.shape[0]))
     return Target(model=model, tokenizer=tokenizer, cfg=cfg, source=source)

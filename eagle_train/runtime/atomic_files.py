@@ -22,14 +22,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from eagle_train.runtime.errors import InputError
+
 PARTIAL = ".partial-"  # marks a temporary name: `.NAME.partial-XXXXXXXX[suffix]`
 
 
-class FileFormatError(ValueError):
+class FileFormatError(InputError):
     """A file this project wrote (or reads as metadata) is not what it should be; names the file."""
 
 
-class OutputError(ValueError):
+class OutputError(InputError):
     """An output path holds something the command did not write (or cannot be written); names the file."""
 
 
@@ -99,9 +101,12 @@ def atomic_path(final: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     try:
         yield Path(tmp)
         publish(tmp, final)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        named = naming(err, final)
+        if named is err:
+            raise
+        raise named from err
 
 
 def atomic_write_lines(path: str | Path, lines: Iterable[str]) -> None:
@@ -138,10 +143,21 @@ def atomic_write_dir(final: str | Path, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             publish(tmp, final, directory=True)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        named = naming(err, final)
+        if named is err:
+            raise
+        raise named from err
     return final
+
+
+def naming(err: BaseException, final: Path) -> BaseException:
+    """`err`, or for an OSError that names no file (a write to a full disk: ENOSPC, EFBIG) the same error
+    naming `final`, the file or directory being written."""
+    if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+        return type(err)(err.errno, err.strerror or os.strerror(err.errno), str(final))
+    return err
 
 
 def atomic_write_into(directory: str | Path, write: Callable[[Path], None]) -> list[str]:
@@ -198,6 +214,36 @@ def check_output_file(
             "start it over"
         ) from None
     return False
+
+
+def check_output_dir(
+    out: Path, own: Callable[[], bool], overwrite: bool, what: str, writes: str, flag: str = "overwrite=true"
+) -> bool:
+    """The rule of every command that writes one output directory (export, the re-expression): nothing of
+    the user's is removed unless the user says so. Returns True when `out` is replaced whole: it does not
+    exist, or it is the command's own earlier output (`own()`: `what`, e.g. "an earlier format=vllm
+    export"), or, with `overwrite`, a file or link stands in its place. Returns False when the files
+    (`writes`) are written into it and nothing else there is touched: an empty directory, or with
+    `overwrite` any other directory. Anything else is an OutputError naming what `out` holds and the
+    command's `flag` that would overwrite it."""
+    if not (out.exists() or out.is_symlink()):
+        return True
+    if out.is_symlink() or not out.is_dir():
+        if overwrite:
+            return True
+        raise OutputError(
+            f"{out} exists and is not a directory: choose another output, or pass {flag} to replace it"
+        )
+    entries = sorted(p.name for p in out.iterdir())
+    if entries and own():
+        return True
+    if not entries or overwrite:
+        return False
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise OutputError(
+        f"{out} is not empty and is not {what} (it holds {shown}); choose a new or empty directory, or pass "
+        f"{flag}, which writes {writes} there and deletes nothing else"
+    )
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:

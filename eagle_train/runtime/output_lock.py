@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from eagle_train.runtime.errors import UserError
 
-class LockedError(RuntimeError):
+
+class LockedError(UserError, RuntimeError):
     """Another process holds the lock on an output; the message names it."""
 
 
@@ -53,7 +55,7 @@ class OutputLock:
         (a cache that several processes may fill at once: the later ones wait for the first)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -69,6 +71,19 @@ class OutputLock:
         os.fsync(fd)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, opened (created if absent) without following a symbolic link: one planted there
+        is a LockedError naming it and what to do."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise LockedError(
+                f"lock file {self.path} is a symbolic link (to {os.readlink(self.path)}), which is never "
+                f"followed: remove it (rm {self.path}) and rerun this {self.stage}"
+            ) from None
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent)."""

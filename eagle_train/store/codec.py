@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_train.runtime.errors import InputError, UserError
+
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 TINY_SCALE = 1e-30  # the scale of an all-zero group (its codes are 0 whatever the scale)
 
@@ -57,7 +59,7 @@ class Storage:
         return width * self.itemsize + (4 * (width // group) if self.scaled else 0)
 
 
-class Fp8UnavailableError(RuntimeError):
+class Fp8UnavailableError(UserError, RuntimeError):
     """fp8 storage asked for on a torch without float8 (the message names the field)."""
 
 
@@ -69,7 +71,7 @@ STORAGES = {
 def storage(name: str) -> Storage:
     """The Storage named `name` (ValueError naming the choices otherwise)."""
     if name not in STORAGES:
-        raise ValueError(f"unknown stored dtype {name!r}; expected one of {sorted(STORAGES)}")
+        raise InputError(f"unknown stored dtype {name!r}; expected one of {sorted(STORAGES)}")
     return STORAGES[name]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from eagle_train.config.base import config_hash, flatten
 from eagle_train.runtime.atomic_files import FileFormatError, read_json
+from eagle_train.runtime.errors import InputError
 from eagle_train.store.codec import STORAGES, Fp8UnavailableError, Storage
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,11 @@ MANIFEST_ONLY = ("config_hash", "counts", "shards", "created_by")  # the rest of
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "use_cache"}
 
 
-class StoreMismatchError(ValueError):
+class StoreMismatchError(InputError):
     """A store (or an existing out_dir) does not match what the caller expects; names each field."""
 
 
-class StoreError(ValueError):
+class StoreError(InputError):
     """A store directory is missing, incomplete or corrupt."""
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle_train.runtime.errors import InputError
 from eagle_train.store.codec import Storage
 from eagle_train.store.manifest import (
     MANIFEST_NAME,
@@ -201,7 +202,7 @@ def open_store(
     has the `expected` fields (e.g. eagle_train.store.manifest.expected_target: this target's) and, for
     an EAGLE-3 head (`aux_layers`), holds the inputs of exactly those target layers."""
     if path is None:
-        raise ValueError("offline training needs `features=DIR`")
+        raise InputError("offline training needs `features=DIR`")
     try:
         store = FeatureStore(path, expected, aux=aux_layers is not None)
     except StoreMismatchError as err:

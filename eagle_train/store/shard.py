@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from eagle_train.runtime.errors import InputError
 from eagle_train.store.codec import Storage, encode, float8_dtype
 
 TAGS = {
@@ -57,7 +58,7 @@ FEATURES = ("hidden", "aux")  # the feature tensors a shard may hold, in this or
 MAX_HEADER = 1 << 30  # a header claiming more is corrupt (a million ids take ~20 MB)
 
 
-class ShardError(ValueError):
+class ShardError(InputError):
     """A shard file is truncated, edited or not a shard; the message names the file and what is wrong."""
 
 

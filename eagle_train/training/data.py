@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from eagle_train.data.batching import bucket_batches, cut_batches
 from eagle_train.data.sharegpt import is_eval_id
+from eagle_train.runtime.errors import UserError
 from eagle_train.store.codec import decode
 from eagle_train.training.loss import shift_batch
 
@@ -197,8 +198,13 @@ class PlanDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.source[i]
 
-    def __getitems__(self, micro: MicroBatch) -> tuple[MicroBatch, dict[str, torch.Tensor]]:
-        return micro, pad_samples([self.source[i] for i in micro.indices])
+    def __getitems__(self, micro: MicroBatch) -> tuple[MicroBatch, dict[str, torch.Tensor] | UserError]:
+        """(micro, its padded batch); a user error reading it (a damaged shard) comes back as the value, so
+        the loop raises it as it is, not wrapped in a worker's traceback."""
+        try:
+            return micro, pad_samples([self.source[i] for i in micro.indices])
+        except UserError as err:
+            return micro, err
 
 
 def _as_is(item):
@@ -209,7 +215,8 @@ def make_loader(
     source: Source, schedule: Iterator[MicroBatch], workers: int, prefetch: int, pin_memory: bool
 ) -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor]]]:
     """(MicroBatch, padded host batch) in schedule order, read by `workers` processes (0: in this one),
-    each keeping `prefetch` micro-batches ahead, pinned for an asynchronous copy when `pin_memory`."""
+    each keeping `prefetch` micro-batches ahead, pinned for an asynchronous copy when `pin_memory`. A user
+    error met reading a micro-batch (eagle_train.runtime.errors) is raised here as it was raised there."""
     loader = DataLoader(
         PlanDataset(source),
         batch_sampler=_Sampler(schedule),
@@ -218,7 +225,10 @@ def make_loader(
         prefetch_factor=prefetch if workers else None,
         pin_memory=pin_memory,
     )
-    return iter(loader)
+    for micro, padded in loader:
+        if isinstance(padded, UserError):
+            raise padded
+        yield micro, padded
 
 
 class _Sampler:

@@ -9,7 +9,7 @@ token is `draft.mask_token_id` or chosen here (`choose_mask_token`), and never o
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -20,8 +20,9 @@ from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.draft_vocab import count_assistant_tokens, default_draft_vocab_size, top_tokens
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import load_head
-from eagle_train.modeling.peagle import PEagleHead
+from eagle_train.modeling.peagle import PEagleHead, check_placeholder_token, target_special_ids
 from eagle_train.modeling.target import TargetParts
+from eagle_train.runtime.errors import InputError
 from eagle_train.training.data import Source
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def token_usage(source: Source, vocab_size: int) -> torch.Tensor:
 
 def mask_token_candidates(tokenizer, vocab_size: int) -> list[tuple[int, str]]:
     """(id, why) in the order they are tried: the tokenizer's own mask token, the first embedding row past
-    the tokenizer (a padded vocabulary: no text ever maps there), its reserved special tokens, unk, pad."""
+    the tokenizer (a padded vocabulary: no text ever maps there), its reserved special tokens, unk."""
     found = [(getattr(tokenizer, "mask_token_id", None), "the tokenizer's mask token")]
     if len(tokenizer) < vocab_size:
         found.append(
@@ -54,39 +55,26 @@ def mask_token_candidates(tokenizer, vocab_size: int) -> list[tuple[int, str]]:
     found += [(i, f"the reserved special token {t.content!r}") for i, t in sorted(added.items())
               if "reserved" in str(t.content).lower()]  # fmt: skip
     found += [(getattr(tokenizer, "unk_token_id", None), "the unknown token")]
-    found += [(getattr(tokenizer, "pad_token_id", None), "the padding token")]
     return [(int(i), why) for i, why in found if i is not None and 0 <= int(i) < vocab_size]
 
 
 def choose_mask_token(
-    tokenizer, vocab_size: int, stop_ids: Sequence[int], used: torch.Tensor, explicit: int | None = None
+    tokenizer, vocab_size: int, special: Mapping[int, str], used: torch.Tensor, explicit: int | None = None
 ) -> tuple[int, str]:
-    """P-EAGLE's mask token and why it was chosen: `explicit` (checked), else the first of
-    `mask_token_candidates` that is no stop / BOS / EOS token and occurs nowhere in the data (`used`:
-    [vocab] bool, `token_usage`). ValueError naming what was tried when none qualifies."""
-    special = {int(i) for i in stop_ids} | {
-        int(i) for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None
-    }
-
-    def problem(i: int) -> str | None:
-        if not 0 <= i < vocab_size:
-            return f"outside the vocabulary [0, {vocab_size})"
-        if i in special:
-            return "a BOS / EOS / stop token the target emits"
-        return "in the training data" if bool(used[i]) else None
-
+    """P-EAGLE's mask token and why it was chosen: `explicit` (draft.mask_token_id), else the first of
+    `mask_token_candidates`; either must pass `check_placeholder_token` (inside the vocabulary, none of
+    the target's `special` ids: BOS / EOS / PAD / stop, absent from the data: `used`, [vocab] bool,
+    `token_usage`). InputError naming what was tried when none qualifies."""
     if explicit is not None:
-        why = problem(int(explicit))
-        if why:
-            raise ValueError(f"draft.mask_token_id={explicit} cannot be the mask token: it is {why}")
-        return int(explicit), "draft.mask_token_id"
+        where = "draft.mask_token_id"
+        return check_placeholder_token(explicit, vocab_size, special, where, used), where
     tried = []
     for i, reason in mask_token_candidates(tokenizer, vocab_size):
-        why = problem(i)
-        if why is None:
-            return i, reason
-        tried.append(f"{i} ({reason}: {why})")
-    raise ValueError(
+        try:
+            return check_placeholder_token(i, vocab_size, special, reason, used), reason
+        except InputError as err:
+            tried.append(str(err))
+    raise InputError(
         "no token is free to be P-EAGLE's mask token (tried: " + ("; ".join(tried) or "none") + "): set "
         "draft.mask_token_id to a token id the target never emits and the data never holds"
     )
@@ -104,9 +92,11 @@ def fresh_head(cfg: DraftConfig, target: TargetParts, source: Source, train: Seq
             intermediate_size=cfg.intermediate_size,
         )
     size = cfg.vocab_size or default_draft_vocab_size(target.vocab_size)
+    if size > target.vocab_size:
+        raise InputError(f"draft.vocab_size={size}: more than the target's {target.vocab_size} tokens")
     if cfg.type == "peagle":
         mask, why = choose_mask_token(
-            target.tokenizer, target.vocab_size, target.cfg.stop_token_ids,
+            target.tokenizer, target.vocab_size, target_special_ids(target),
             token_usage(source, target.vocab_size), cfg.mask_token_id,
         )  # fmt: skip
         log.info("P-EAGLE mask token: %d (%s)", mask, why)
@@ -147,17 +137,17 @@ def build_head(
     if cfg.path:
         head, meta = load_head(resolve_path(cfg.path), target=target)
         if head.kind != cfg.type:
-            raise ValueError(f"draft.path {cfg.path} is an {head.kind} head, but draft.type={cfg.type}")
+            raise InputError(f"draft.path {cfg.path} is an {head.kind} head, but draft.type={cfg.type}")
         if head.kind != "eagle1" and head.aux_layers != target.aux_layers:
-            raise ValueError(
+            raise InputError(
                 f"draft.path {cfg.path} reads target layers {head.aux_layers}, target.aux_layers "
                 f"resolves to {target.aux_layers}: set target.aux_layers={head.aux_layers}"
             )
-        if head.kind == "peagle" and bool(token_usage(source, target.vocab_size)[head.mask_token_id]):
-            raise ValueError(
-                f"draft.path {cfg.path}: its mask token {head.mask_token_id} occurs in the training data: "
-                "the placeholder would stand for a real token"
-            )
+        if head.kind == "peagle":
+            check_placeholder_token(
+                head.mask_token_id, target.vocab_size, target_special_ids(target),
+                f"draft.path {cfg.path}: its mask token", token_usage(source, target.vocab_size),
+            )  # fmt: skip
         warn_other_target(resolve_path(cfg.path), meta, target)  # initial weights for another target
     else:
         head = fresh_head(cfg, target, source, train, seed)

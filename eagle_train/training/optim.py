@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from eagle_train.config.train import OptimConfig
+from eagle_train.runtime.errors import UserError
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -62,7 +63,7 @@ def grad_norm(params: Iterable[torch.Tensor]) -> float:
     return float(torch.stack(grads).norm()) if grads else 0.0
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(UserError, FloatingPointError):
     """A NaN or infinite loss or gradient: the run stops before the optimizer step, so no checkpoint
     ever holds the weights it would have produced."""
 

@@ -7,8 +7,9 @@
 
 `trainer.json` holds the trainer state (step, epoch, cursor), the run's identity (`run_identity`: what a
 resumed run must share with the one that wrote it) and the sha256 of every file of the checkpoint, and is
-itself sealed by a sha256 of its contents. The state is written to a temporary directory
-(`.step_XXXXXXX.partial-state`) and renamed into place last, so an interrupted save is never picked up.
+itself sealed by a sha256 of its contents. The whole step directory (head and state) is written under a
+temporary name (`.step_XXXXXXX.partial-ckpt`) and renamed into place last, so an interrupted save (a kill,
+a full disk) leaves no step directory at all and is never picked up.
 Resuming takes the newest checkpoint whose every checksum holds; a damaged one (flipped weights or
 optimizer bytes, an edited trainer.json, a step that does not match its directory) is said so, renamed
 `damaged-step_XXXXXXX` (kept for inspection, never pruned in place of a good one) and the one before it
@@ -17,6 +18,7 @@ is used. Only the newest `keep_last` checkpoints are kept.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -25,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eagle_train.config.base import flatten, mismatches
@@ -38,8 +41,11 @@ from eagle_train.runtime.atomic_files import (
     file_sha256,
     read_json,
 )
+from eagle_train.runtime.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
+RANDOM_STATES = "random_states_*.pkl"  # accelerate's random number generator states, one pickle per process
+RANDOM_STATE_KEYS = {"random_state", "numpy_random_seed", "torch_manual_seed"}
 DAMAGED_PREFIX = "damaged-"
 # Settings a resumed run may change: they decide what is shown, logged, evaluated or kept, or where
 # things are, never what is trained (the store and the target are identified by their contents).
@@ -52,7 +58,7 @@ FREE_SETTINGS = (
 )  # fmt: skip
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written, or one on disk is damaged; names the directory and why."""
 
 
@@ -112,20 +118,19 @@ def save_checkpoint(
     with trainer.json. A failed write (a full disk) is a CheckpointError naming the step; the checkpoints
     before it are untouched."""
     final = step_dir(out_dir, step)
-    tmp = final.parent / f".{final.name}{PARTIAL}state"
+    tmp = final.parent / f".{final.name}{PARTIAL}ckpt"  # the whole step directory, renamed into place last
     try:
         if accelerator.is_main_process:
-            save_head(accelerator.unwrap_model(model), final, {**meta, "step": step})
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            save_head(accelerator.unwrap_model(model), tmp, {**meta, "step": step})
+            (tmp / STATE_DIR).mkdir()
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp / STATE_DIR))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            record = {"trainer": trainer_state, "run": identity, "files": _checksums(final, tmp)}
-            atomic_write_json(tmp / TRAINER_FILE, {**record, "sha256": _seal(record)})
-            shutil.rmtree(final / STATE_DIR, ignore_errors=True)
-            os.replace(tmp, final / STATE_DIR)
+            record = {"trainer": trainer_state, "run": identity, "files": _checksums(tmp, tmp / STATE_DIR)}
+            atomic_write_json(tmp / STATE_DIR / TRAINER_FILE, {**record, "sha256": _seal(record)})
+            publish_step(tmp, final)
             prune_checkpoints(out_dir, keep_last)
     except Exception as err:  # a full disk shows as OSError, torch's RuntimeError or safetensors' own error
         if accelerator.is_main_process:
@@ -138,6 +143,19 @@ def save_checkpoint(
         ) from err
     accelerator.wait_for_everyone()
     return final
+
+
+def publish_step(tmp: Path, final: Path) -> None:
+    """Rename the finished step directory `tmp` to `final`; one there already (a save cut short by an
+    earlier eagle-train, which wrote the head first) is moved aside first and then removed."""
+    if final.exists():
+        old = final.with_name(f".{final.name}{PARTIAL}old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 def verify_checkpoint(checkpoint: Path) -> dict[str, Any]:
@@ -243,28 +261,55 @@ def comparable_identity(
 def load_state(accelerator, checkpoint: Path) -> None:
     """accelerate's `load_state` of the checkpoint's training state; a file it cannot load (a pickle
     holding code, which torch's weights_only load refuses; a file cut short) is a CheckpointError naming
-    the file and the reason, not a traceback from deep inside torch."""
+    the file and the reason, not a traceback from deep inside torch. The random-state pickles are loaded
+    first the way accelerate does (weights only, numpy arrays allowed), since accelerate itself only logs
+    "Could not load random states" and goes on when that fails."""
     state_dir = checkpoint / STATE_DIR
+    for file in sorted(state_dir.glob(RANDOM_STATES)):
+        states = refuse_unloadable(file, checkpoint)
+        if not isinstance(states, dict) or not RANDOM_STATE_KEYS <= set(states):
+            raise CheckpointError(
+                f"{file}: not the random states accelerate writes (no {sorted(RANDOM_STATE_KEYS)}). Move "
+                f"{checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
+            )
     try:
         accelerator.load_state(str(state_dir))
-    except Exception as err:  # torch's UnpicklingError, RuntimeError, EOFError, safetensors' own error
+    except Exception:  # torch's UnpicklingError, RuntimeError, EOFError, safetensors' own error
         file = unloadable_file(state_dir)
         if file is None:  # every file loads alone: not a damaged file (e.g. out of memory)
             raise
+        refuse_unloadable(file, checkpoint)
+
+
+def refuse_unloadable(file: Path, checkpoint: Path) -> Any:
+    """`file` loaded as plain data (`load_plain`), else a CheckpointError naming it and why."""
+    try:
+        return load_plain(file)
+    except Exception as err:  # whatever the load raises, this is the file
         raise CheckpointError(
             f"{file}: cannot be loaded ({error_reason(err)}): not a training state this trainer wrote. "
             f"Move {checkpoint.name} aside to resume from the checkpoint before it, or pass resume=never"
         ) from None
 
 
+def load_plain(file: Path) -> Any:
+    """A training state file loaded as plain data: safetensors, or a torch pickle read weights-only with
+    numpy's arrays allowed (accelerate's random states hold numpy's generator state), no other object."""
+    if file.suffix == ".safetensors":
+        return read_head_weights(file)
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode, np.dtypes.UInt32DType]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
 def unloadable_file(state_dir: Path) -> Path | None:
-    """The first file of a training state that a weights-only load refuses (None: none of them)."""
+    """The first file of a training state that `load_plain` refuses (None: none of them)."""
     for file in sorted(state_dir.iterdir()):
+        if file.suffix not in (".safetensors", ".bin", ".pkl"):
+            continue
         try:
-            if file.suffix == ".safetensors":
-                read_head_weights(file)
-            elif file.suffix == ".bin":
-                torch.load(file, map_location="cpu", weights_only=True)
+            load_plain(file)
         except Exception:  # whatever the load raises, this is the file
             return file
     return None

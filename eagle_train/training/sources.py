@@ -27,6 +27,9 @@ def checkpoint_identity(target: TargetParts, hf_config) -> dict[str, Any]:
             "architectures": list(getattr(hf_config, "architectures", None) or []),
             "weights": target.weight_fingerprint,
             "weight_files": target.weight_files,
+            "stop_token_ids": list(
+                target.cfg.stop_token_ids
+            ),  # export checks a placeholder token against them
         }
     }
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from eagle_train.data.mix import main, mix_conversations, parse_source
 from eagle_train.data.sharegpt import DataError, load_sharegpt
 from eagle_train.runtime.atomic_files import OutputError, file_sha256
-from tests.conftest import DATA
+from tests.conftest import DATA, error_line
 
 STORIES = DATA / "tinystories" / "tinystories_sharegpt.jsonl"  # JSONL, from/value, with replies
 PROMPTS = DATA / "sharegpt" / "sharegpt_v3_filtered_1000_first_prompts.json"  # JSON array, prompts only
@@ -84,11 +85,13 @@ def test_the_command_line(tmp_path, capsys):
     out = tmp_path / "m.jsonl"
     main([f"out={out}", f"source={STORIES}:4", f"source={PROMPTS}:2"])
     assert "wrote 6 conversations" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="error: .*missing"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
         main([f"out={out}", f"source={tmp_path / 'missing.json'}"])
+    assert stopped.value.code == 1 and "missing" in error_line(capsys.readouterr().err)
 
 
-def test_an_out_that_is_not_an_earlier_mix_is_refused_and_kept(tmp_path):
+def test_an_out_that_is_not_an_earlier_mix_is_refused_and_kept(tmp_path, capsys):
     """Issue 26.3: `out=` an existing dataset was overwritten, `out=` a directory gave a raw
     IsADirectoryError. Only an earlier mix, unchanged since, is replaced without overwrite=true."""
     dataset = tmp_path / "mine.jsonl"
@@ -99,8 +102,9 @@ def test_an_out_that_is_not_an_earlier_mix_is_refused_and_kept(tmp_path):
         mix_conversations(dataset, [(str(PROMPTS), 2)])
     assert dataset.read_text() == STORIES.read_text() and not (tmp_path / "mine.jsonl.stats.json").exists()
     (tmp_path / "folder").mkdir()
-    with pytest.raises(SystemExit, match=r"error: out=.*folder is a directory"):
+    with pytest.raises(SystemExit):
         main([f"out={tmp_path / 'folder'}", f"source={PROMPTS}:2", "overwrite=true"])
+    assert re.fullmatch(r"error: out=.*folder is a directory.*", error_line(capsys.readouterr().err))
 
     out = tmp_path / "mix.jsonl"
     mix_conversations(out, [(str(PROMPTS), 2)])

@@ -14,10 +14,12 @@ from eagle_train.engines.vllm_engine import (
     EngineRun,
     agreement_problems,
     check_agreement,
+    check_engine_python,
     engine_python,
     failure_reason,
     load_warnings,
     per_answer_counts,
+    run_vllm,
     speculative_config,
     split_log,
 )
@@ -236,3 +238,61 @@ def test_engine_section_side_by_side_and_flags(tmp_path):
     assert any("differs from the built-in chain decoder's" in n for n in notes)
     assert any("1 of 2 greedy answers with speculation differ" in n for n in notes)
     assert any("1 of 2 answers differ from the built-in decoder's" in n for n in notes)
+
+
+def fake_python(path, script: str):
+    """An executable standing in for vLLM's python (a shell script)."""
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return path
+
+
+def test_an_engine_environment_that_cannot_run_vllm_is_refused_naming_its_exit_code(tmp_path):
+    python = fake_python(tmp_path / "python", 'echo "fake: no module named vllm" >&2\nexit 3\n')
+    with pytest.raises(
+        EngineError, match=r"python .* exited with code 3; its last lines: fake: no module named vllm"
+    ):
+        check_engine_python(str(python))
+    assert check_engine_python(str(fake_python(tmp_path / "ok", "exit 0\n"))) == tmp_path / "ok"
+
+
+@pytest.mark.parametrize(
+    "worker, message",
+    [
+        ('echo "starting the fake engine"\nexit 3\n', r"worker exited with code 3: .*; log: \S*vllm.log; its last lines: starting the fake engine"),
+        ("exit 0\n", r"worker exited with code 0 without writing \S*result.json: .*the log is empty"),
+        ('echo \'{"vllm_version": "0", "runs": [{"name": "ar", "load_s": 1, "spec_start": {}, "outputs": []}]}\' > "$3"\n',
+         r"worker wrote 0 answers for run 'ar' of 2 prompts"),
+    ],
+)  # fmt: skip
+def test_an_engine_worker_that_gives_no_answers_is_reported_with_its_exit_code_and_log(
+    tmp_path, worker, message
+):
+    """A worker that dies, one that exits 0 without a result, and one whose result has fewer answers than
+    prompts: an EngineError naming the exit code, the log and its last lines, never a zip() error later."""
+    python = fake_python(tmp_path / "python", worker)
+    with pytest.raises(EngineError, match=message):
+        run_vllm(
+            "model", [[1, 2], [1, 3]], {"ar": None}, tmp_path / "work",
+            max_tokens=4, stop_token_ids=[2], max_model_len=64, python=str(python),
+        )  # fmt: skip
+
+
+def test_evaluate_checks_the_engine_environment_before_any_work(target, tmp_path):
+    """evaluate engine=vllm with an engine python that cannot run vLLM stops in one line before the
+    built-in decoder runs: no answers, no report, no output directory."""
+    from eagle_train.modeling.draft import DraftHead
+    from eagle_train.modeling.head_checkpoint import save_head
+    from tests.conftest import error_line, run_module
+
+    head = save_head(DraftHead.from_target(target.config, target=target), tmp_path / "head", {"target": "s"})
+    python = fake_python(tmp_path / "python", 'echo "fake: no module named vllm"\nexit 3\n')
+    out = tmp_path / "eval"
+    done = run_module(
+        "eagle_train.evaluate", "engine=vllm", f"engine_python={python}", f"draft.path={head}",
+        f"out_dir={out}", "bench=[mt_bench]", "num_questions=1", "progress=false", "plots=false",
+    )  # fmt: skip
+    assert done.returncode == 1
+    line = error_line(done.stderr)
+    assert "exited with code 3" in line and str(python) in line and "fake: no module named vllm" in line
+    assert not out.exists()

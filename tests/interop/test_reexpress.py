@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.interop.reexpress import main, rotary_slots, widen_head, widen_model_dir
 from eagle_train.modeling.target import load_target
+from tests.conftest import STORIES260K, error_line
 from tests.interop.test_layouts import head_outputs, make_head
 
 PROMPTS = [[1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426], [1, 365, 300, 280, 423, 268]]
@@ -93,6 +95,57 @@ def test_inexact_rope_is_refused(target):
     head.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="'dynamic' depends on head_dim"):
         widen_head(head, 32)
+
+
+def test_cli_never_removes_what_it_did_not_write(tmp_path, capsys):
+    """OUT is written when absent or empty and replaced when it is an earlier output of the command; a
+    directory of the user's files, a user's file and the source model itself are refused in one line and
+    left as they were; --overwrite writes the model's files into the user's directory and deletes nothing
+    there."""
+    source = STORIES260K
+    before = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    main([str(source), str(empty)])
+    main([str(source), str(empty), "--head-dim", "16"])  # an earlier output: replaced whole
+    assert json.loads((empty / "config.json").read_text())["head_dim"] == 16
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "sub" / "data.bin").write_bytes(b"0123456789")
+    user_file = tmp_path / "user.txt"
+    user_file.write_text("keep me too")
+    refusals = [
+        ([str(source), str(mine)], r"mine is not empty and is not an earlier output .* holds notes.txt, sub.*--overwrite"),
+        ([str(source), str(user_file)], r"user.txt exists and is not a directory.*--overwrite"),
+        ([str(source), str(source)], r"is the source model itself"),
+        ([str(source), str(source), "--overwrite"], r"is the source model itself"),
+    ]  # fmt: skip
+    for argv, message in refusals:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 1
+        assert re.fullmatch(rf"error: .*{message}.*", error_line(capsys.readouterr().err))
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").stat().st_size == 10
+    assert user_file.read_text() == "keep me too"
+    assert {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()} == before
+    main([str(source), str(mine), "--overwrite"])
+    assert sorted(p.name for p in mine.iterdir()) == sorted(
+        {"notes.txt", "sub", *before} - {"README.md", "greedy_reference.json"}
+    )
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").stat().st_size == 10
+
+
+@pytest.mark.parametrize("head_dim", ["-8", "0", "12"])
+def test_cli_refuses_a_head_dim_that_cannot_hold_the_model_s_in_one_line(tmp_path, capsys, head_dim):
+    """A negative, zero or non-multiple --head-dim is one line naming it, and nothing is written."""
+    with pytest.raises(SystemExit) as stopped:
+        main([str(STORIES260K), str(tmp_path / "wide"), "--head-dim", head_dim])
+    assert stopped.value.code == 1
+    line = error_line(capsys.readouterr().err)
+    assert f"{head_dim}" in line and "multiple of" in line and "8" in line
+    assert not (tmp_path / "wide").exists()
 
 
 def test_cli_defaults_to_the_configured_target(tmp_path, capsys):

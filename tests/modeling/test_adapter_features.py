@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
+import huggingface_hub.constants
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eagle_train.config import TargetConfig
+from eagle_train.config.base import CONF_DIR, to_schema
+from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.target import load_target
+from eagle_train.runtime.errors import InputError
 from tests.conftest import STORIES260K, TINY_SHAPE
 
 
@@ -126,3 +132,45 @@ def test_a_missing_local_target_path_is_named_not_sent_to_the_hub(path):
     """16.11: a local path that does not exist used to come back as a hub error about a repository id."""
     with pytest.raises(FileNotFoundError, match=rf"target.path='{path}': no such directory"):
         load_target(TargetConfig(path=path))
+
+
+def test_what_target_path_names_is_said_when_it_is_no_model(tmp_path, monkeypatch):
+    """A file, an empty directory, a directory of other files and a hub id the hub cannot provide (offline
+    here): each an InputError naming target.path and what was found there, never transformers' own."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    cases = [
+        (str(STORIES260K / "config.json"), r"config.json is a file, not a model directory"),
+        (str(empty), r"empty has no config.json \(it is empty\)"),
+        (str(tmp_path / "notes"), r"notes has no config.json \(it holds a.txt\)"),
+        ("someone/no-such-model-here", r"no local directory of that name, and the hub cannot provide it"),
+    ]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once, at import
+    for path, message in cases:
+        with pytest.raises(InputError, match=rf"^target.path='{path}': .*{message}"):
+            load_target(TargetConfig(path=path))
+        with pytest.raises(InputError, match=rf"^target.path='{path}': .*{message}"):
+            load_frozen_target(TargetConfig(path=path))
+
+
+def test_a_preset_for_another_model_is_refused_naming_it_and_the_id():
+    """target=qwen3_8b pointed at stories260K (512 tokens): its stop ids are outside the vocabulary; a
+    preset whose fallback chat template marks turns with tokens this tokenizer lacks is refused too; the
+    model's own preset loads."""
+    qwen = to_schema(OmegaConf.load(CONF_DIR / "target" / "qwen3_8b.yaml"), TargetConfig)
+    qwen = replace(qwen, path=str(STORIES260K), dtype="float32")
+    message = (
+        r"target=qwen3-8b \(target.path=.*stories260K\): stop_token_ids holds 151645, outside .* 512 tokens"
+    )
+    for load in (load_target, load_frozen_target):
+        with pytest.raises(InputError, match=message):
+            load(qwen)
+    chatml = replace(qwen, stop_token_ids=[2])
+    with pytest.raises(
+        InputError, match=r"chat_template=chatml marks turns with <\|im_end\|>, which is no token"
+    ):
+        load_target(chatml)
+    stories = to_schema(OmegaConf.load(CONF_DIR / "target" / "stories260k.yaml"), TargetConfig)
+    assert load_frozen_target(stories).vocab_size == 512

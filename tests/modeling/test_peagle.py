@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 from eagle_train.interop.layouts import export_head, load_draft
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import load_head, save_head
-from eagle_train.modeling.peagle import PEagleHead
+from eagle_train.modeling.peagle import PEagleHead, target_special_ids
+from eagle_train.runtime.errors import InputError
 from eagle_train.training.heads import choose_mask_token
+from tests.conftest import STORIES260K
 from tests.interop.test_eagle3_layouts import META, VD, V, randomize
 
 MASK = 0  # stories260K's <unk>: its tokenizer has no mask token and no unused row
@@ -181,19 +183,95 @@ def test_a_nemo_head_with_model_prefixes_loads(target, tmp_path):
 
 def test_the_mask_token_is_one_the_data_never_holds(target):
     tok, unused = target.tokenizer, torch.zeros(V, dtype=torch.bool)
-    assert choose_mask_token(tok, V, [1], unused) == (0, "the unknown token")
+    special = target_special_ids(target)
+    assert special == {1: "the target's BOS token", 2: "the target's EOS token"}  # stop id 1 is BOS here
+    assert choose_mask_token(tok, V, special, unused) == (0, "the unknown token")
     held = unused.clone()
     held[0] = True  # <unk> occurs in the data: no other candidate (no mask token, no free row)
     with pytest.raises(
-        ValueError, match=r"tried: 0 \(the unknown token: in the training data\).*draft.mask_token_id"
+        InputError, match=r"tried: the unknown token: 0 occurs in the training data.*draft.mask_token_id"
     ):
-        choose_mask_token(tok, V, [1], held)
+        choose_mask_token(tok, V, special, held)
     # a vocabulary padded past the tokenizer: the first free row comes before <unk>
-    assert choose_mask_token(tok, V + 8, [1], torch.zeros(V + 8, dtype=torch.bool))[0] == V
-    assert choose_mask_token(tok, V, [1], held, explicit=7) == (7, "draft.mask_token_id")
-    for bad, why in ((0, "in the training data"), (1, "stop token"), (2, "stop token"), (V, "outside")):
-        with pytest.raises(ValueError, match=f"draft.mask_token_id={bad} cannot be .*{why}"):
-            choose_mask_token(tok, V, [1], held, explicit=bad)
+    assert choose_mask_token(tok, V + 8, special, torch.zeros(V + 8, dtype=torch.bool))[0] == V
+    assert choose_mask_token(tok, V, special, held, explicit=7) == (7, "draft.mask_token_id")
+    for bad, why in ((0, "in the training data"), (1, "BOS"), (2, "EOS"), (V, "outside the vocabulary")):
+        with pytest.raises(InputError, match=f"draft.mask_token_id: {bad} .*{why}"):
+            choose_mask_token(tok, V, special, held, explicit=bad)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (None, r"config.json: mask_token_id: missing"),
+        ("zero", r"config.json: mask_token_id: 'zero' is not an integer token id"),
+        (1, r"config.json: mask_token_id: 1 is the target's BOS token"),
+        (2, r"config.json: mask_token_id: 2 is the target's EOS token"),
+        (V + 5, rf"config.json: mask_token_id: {V + 5} is outside the vocabulary \[0, {V}\)"),
+    ],
+)
+def test_a_head_whose_mask_token_the_target_emits_or_that_is_not_an_id_is_refused_at_import(
+    target, tmp_path, value, message
+):
+    """A P-EAGLE checkpoint whose config.json records no mask token, a non-integer, an id outside the
+    vocabulary or BOS / EOS: refused by both importers, naming the file and the key (this project's
+    loader checks the type and range; the target's special ids need the target, which load_draft has)."""
+    head = make_head(target)
+    save_head(head, tmp_path / "head", {"target": "stories260k"})
+    config_file = tmp_path / "head" / "config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("mask_token_id", "pard_token"):
+        config.pop(key)
+    if value is not None:
+        config["mask_token_id"] = value
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(InputError, match=message):
+        load_draft(tmp_path / "head", target)
+    if value in (None, "zero", V + 5):
+        with pytest.raises(InputError, match=message):
+            load_head(tmp_path / "head", target=target)
+
+
+@pytest.mark.parametrize("importer", ["load_head", "load_draft"])
+def test_a_mask_hidden_of_the_wrong_shape_is_refused_naming_the_file(target, tmp_path, importer):
+    head = make_head(target)
+    save_head(head, tmp_path / "head", {"target": "stories260k"})
+    weights = tmp_path / "head" / "model.safetensors"
+    state = load_file(str(weights))
+    state["mask_hidden"] = torch.zeros(1, 1, 64)  # one feature wide, not three
+    save_file(state, str(weights))
+    config_file = tmp_path / "head" / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["eagle_train"]["weights_sha256"]  # edited on purpose
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(
+        InputError, match=r"model.safetensors: mask_hidden has shape \[1, 1, 64\]; .*\[1, 1, 192\]"
+    ):
+        if importer == "load_head":
+            load_head(tmp_path / "head", target=target)
+        else:
+            load_draft(tmp_path / "head", target)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_export_refuses_a_head_whose_mask_token_the_target_emits(target, tmp_path, fmt):
+    """A head trained with BOS as its placeholder would replace BOS's embedding row and give vLLM
+    `pard_token: 1`: export refuses it, naming the checkpoint's config.json and the key, and writes nothing."""
+    from eagle_train.config.base import to_schema
+    from eagle_train.config.export import ExportConfig
+    from eagle_train.export import run as export
+
+    torch.manual_seed(0)
+    head = PEagleHead.from_target(target.config, [1, 2, 4], VD, 1, target=target, num_layers=1)
+    randomize(head)
+    meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "stop_token_ids": [1]}}
+    save_head(head, tmp_path / "head", meta)
+    cfg = to_schema(
+        {"ckpt": str(tmp_path / "head"), "format": fmt, "out_dir": str(tmp_path / "out")}, ExportConfig
+    )
+    with pytest.raises(InputError, match=r"head/config.json: mask_token_id: 1 is the target's BOS token"):
+        export(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "peagle"])

@@ -72,13 +72,17 @@ def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path, holder):
         assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
 
 
-def test_a_planted_symlink_is_not_followed(tmp_path):
+def test_a_planted_symlink_is_not_followed_and_is_named(tmp_path):
+    """A symbolic link planted as the lock file is never followed (what it points at is untouched); the
+    refusal names the lock file, where it points and how to clear it, in one line."""
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
-    lock_path(tmp_path / "out").symlink_to(victim)
-    with pytest.raises(OSError):
+    lock = lock_path(tmp_path / "out")
+    lock.symlink_to(victim)
+    message = rf"lock file {lock} is a symbolic link \(to {victim}\), which is never followed: remove it"
+    with pytest.raises(LockedError, match=message) as err:
         OutputLock(tmp_path / "out", "export").acquire()
-    assert victim.read_text() == "keep"
+    assert "\n" not in str(err.value) and victim.read_text() == "keep"
 
 
 def test_every_writing_stage_refuses_a_held_output(

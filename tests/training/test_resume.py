@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from eagle_train.train import run
 from eagle_train.training import resume as ckpt
+from tests.conftest import error_line
 from tests.kill_after import KILLED
 from tests.test_train import make_cfg, read_metrics
 
@@ -183,9 +184,10 @@ def test_a_killed_run_logs_every_step_once_and_leaves_no_temporary_behind(tiny_s
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_loses_nothing(tiny_store, stopped, tmp_path):
-    """16.11: the training state of step 6 cannot be written (files capped at 300 kB: the head fits, the
-    optimizer state does not): a message naming the step, the checkpoints before it intact, no
-    temporary left, and a rerun with room resumes from step 4."""
+    """The training state of step 6 cannot be written (files capped at 300 kB: the head fits, the optimizer
+    state does not): one line naming the step, the checkpoints before it intact, no step directory of 6
+    (not even its head: the step directory appears whole or not at all), no temporary left, and a rerun
+    with room resumes from step 4."""
     out = shutil.copytree(stopped, tmp_path / "run")
     args = [f"features={tiny_store}", f"out_dir={out}", "+recipe=stories260k_cpu", "progress=false",
             "data.eval_fraction=0.1", "max_tokens=1024", "max_batch_size=4", "eval_max_samples=8", *ARGS]  # fmt: skip
@@ -194,11 +196,10 @@ def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_loses_nothing(tiny
     done = subprocess.run(
         [*command, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
     )
-    assert done.returncode != 0
-    assert "writing the checkpoint of step 6" in done.stderr and "If the disk is full" in done.stderr, (
-        done.stderr[-3000:]
-    )
-    assert steps(out) == ["step_0000002", "step_0000004", "step_0000006"]  # the head of 6 only
+    assert done.returncode == 1
+    line = error_line(done.stderr)
+    assert "writing the checkpoint of step 6" in line and "If the disk is full" in line
+    assert steps(out) == ["step_0000002", "step_0000004"]
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     assert ckpt.newest_valid_checkpoint(out)[0].name == "step_0000004"
     run(make_cfg(tiny_store, out, *ARGS))
@@ -247,6 +248,33 @@ def test_a_forged_pickle_in_a_checkpoint_is_one_line_naming_it(tiny_store, stopp
     ) as err:
         run(make_cfg(tiny_store, out, *ARGS))
     assert "\n" not in str(err.value) and not (REPO_ROOT / "PWNED").exists() and not Path("PWNED").exists()
+
+
+@pytest.mark.parametrize(
+    "forged, message",
+    [
+        ("code", r"random_states_0.pkl: cannot be loaded \(UnpicklingError"),
+        ("other data", r"random_states_0.pkl: not the random states accelerate writes"),
+    ],
+)
+def test_a_forged_random_state_pickle_is_refused_not_skipped(tiny_store, stopped, tmp_path, forged, message):
+    """accelerate loads its random states weights-only and, when that fails, only logs "Could not load
+    random states" and resumes: a forged random_states_0.pkl (checksums and seal recomputed) holding code,
+    or plain data that is not a random state, is refused in one line naming it; nothing of it runs."""
+    import pickle
+
+    out = shutil.copytree(stopped, tmp_path / "run")
+    step = out / "checkpoints" / "step_0000004"
+    pkl = step / "training_state" / "random_states_0.pkl"
+    if forged == "code":
+        pkl.write_bytes(pickle.dumps(Payload()))
+    else:
+        torch.save({"step": 4}, pkl)
+    reseal(step)
+    with pytest.raises(ckpt.CheckpointError, match=rf"step_0000004/training_state/{message}") as err:
+        run(make_cfg(tiny_store, out, *ARGS))
+    assert "\n" not in str(err.value) and not (REPO_ROOT / "PWNED").exists() and not Path("PWNED").exists()
+    assert steps(out) == ["step_0000002", "step_0000004"] and not (out / "final").exists()
 
 
 def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(whole, tmp_path):
