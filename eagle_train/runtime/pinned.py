@@ -21,7 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_train.runtime.atomic_files import atomic_write_dir, cache_dir, file_sha256
+from eagle_train.runtime.atomic_files import (
+    atomic_write_dir,
+    cache_dir,
+    cached_sha256,
+    file_sha256,
+    read_json,
+)
+from eagle_train.runtime.errors import InputError, UserError
 from eagle_train.runtime.output_lock import OutputLock
 
 REGISTRIES = ("npm", "pypi")
@@ -29,11 +36,11 @@ NPM_REGISTRY = "https://registry.npmjs.org"
 FETCH_TIMEOUT_S = 600
 
 
-class PackageUnavailable(RuntimeError):
+class PackageUnavailable(UserError, RuntimeError):
     """The registry's client is missing, or the registry cannot be reached: the package cannot be fetched."""
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatch(InputError):
     """A fetched file's sha256 is not the pinned one."""
 
 
@@ -145,13 +152,45 @@ def cached_dir(kind: str, key: str, build: Callable[[Path], None], cache: Path |
     return final
 
 
+PACKAGE_RECORD = "package.json"
+
+
 def fetch_package(package: PinnedPackage, unpack: Callable[[Path, Path], None], cache: Path | None = None,
                   index: str | None = None) -> Path:  # fmt: skip
     """The cache directory of `package`: downloaded, checked and `unpack(fetched_file, out_dir)`-ed once
-    (unpack writes the README); later calls read the cache."""
+    (unpack writes the README); `package.json` there records the pin and the sha256 of every file unpacked,
+    and later calls check both (a stat per file once hashed): a cache fetched under another pin, or a file
+    changed since, is refused naming it."""
 
     def build(out: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="fetch-") as tmp:
             unpack(download(package, Path(tmp), index), out)
+        files = {p.name: file_sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
+        record = {
+            "package": package.spec,
+            "registry": package.registry,
+            "sha256": package.sha256,
+            "files": files,
+        }
+        (out / PACKAGE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
-    return cached_dir("packages", package.key, build, cache)
+    final = cached_dir("packages", package.key, build, cache)
+    check_unpacked(final, package)
+    return final
+
+
+def check_unpacked(directory: Path, package: PinnedPackage) -> None:
+    """Refuse a package's cache directory fetched under another pin, or whose files changed since."""
+    record = read_json(directory / PACKAGE_RECORD, "package record")
+    if record.get("sha256") != package.sha256:
+        raise ChecksumMismatch(
+            f"{directory}: holds {package.spec} fetched with sha256 {record.get('sha256')}, not the pinned "
+            f"{package.sha256}; check the pin, or delete {directory} to fetch it again"
+        )
+    for name, sha in record["files"].items():
+        path = directory / name
+        if not path.is_file() or cached_sha256(path) != sha:
+            state = "missing" if not path.is_file() else "changed since it was fetched"
+            raise ChecksumMismatch(
+                f"{path}: {state} ({directory / PACKAGE_RECORD}); delete {directory} to fetch again"
+            )

