@@ -123,7 +123,7 @@ def on_main(accelerator, fn: Callable[[], Any]) -> Any:
     if accelerator is not None and accelerator.num_processes > 1:
         error = broadcast_object_list([error])[0]
         if error is not None:
-            error.shared = True  # every process raises it: one of them reports it (runtime.errors)
+            error.on_every_rank = True  # every process raises it: one of them reports it (runtime.errors)
     if error is not None:
         raise error
     if accelerator is not None:

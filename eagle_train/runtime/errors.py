@@ -87,7 +87,7 @@ def report(err: BaseException) -> None:
     rank = process_rank()
     if rank == 0:
         print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
-    elif not getattr(err, "shared", False):
+    elif not getattr(err, "on_every_rank", False):
         print(f"[rank {rank}] error: {one_line(err)}", file=sys.stderr, flush=True)
 
 
