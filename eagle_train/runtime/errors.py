@@ -16,7 +16,7 @@ is a bug: its traceback is shown as Python shows it. EAGLE_TRAIN_TRACEBACK=1 sho
 user error too.
 
 Under a launcher of several processes (RANK set) every process meets an error raised on all of them
-(a setting, or one `cli.on_main` passes on: `shared`); rank 0 alone prints it. An error one rank meets
+(a setting, or one `cli.on_main` passes on: `on_every_rank`); rank 0 alone prints it. An error one rank meets
 alone is printed by that rank, prefixed `[rank N]`.
 
 Standard library only: every layer may use it.
@@ -54,7 +54,7 @@ class InputError(UserError, ValueError):
 class ConfigError(InputError):
     """A command line or config that the stage's schema refuses (names the key)."""
 
-    shared = True  # every process of a launch parses the same command line
+    on_every_rank = True  # every process of a launch parses the same command line
 
 
 def is_user_error(err: BaseException) -> bool:
