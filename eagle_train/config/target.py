@@ -54,6 +54,13 @@ class TargetConfig:
     # null = on when the decoder runs on the CPU, where that Python is much of a small target's step; true or
     # false forces it (a C++ compiler is needed either way on a CPU; a GPU build needs one only with true)
     compile_cpp_wrapper: bool | None = None
+    # compile_decode's forwards of up to 16 new tokens (plain steps, chains, small trees) as one graph per query
+    # count padded to 1 / 2 / 4 / 8 / 16, the weights frozen into it and its matrix products chosen by inductor's
+    # autotuning (max-autotune: C++ micro-kernels that read each weight once for a few rows); the context length
+    # stays symbolic, wider forwards run compile_decode's graphs. About two minutes of compilation per graph and
+    # process and a copy of the weights per graph: for CPU targets whose forward is bound by reading the weights
+    # (SmolLM2-135M here: plain decoding 2.4x faster, docs/benchmarks.md)
+    compile_frozen: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +69,10 @@ class TargetConfig:
             raise ValueError(f"target.max_len must be > 1, got {self.max_len}")
         if self.train_max_len is not None and self.train_max_len <= 1:
             raise ValueError(f"target.train_max_len must be > 1, got {self.train_max_len}")
+        if self.compile_frozen and not self.compile_decode:
+            raise ValueError(
+                "target.compile_frozen compiles the decode-time forward: set target.compile_decode=true"
+            )
         if self.aux_layers is not None:
             self.aux_layers = [int(i) for i in self.aux_layers]
             if len(self.aux_layers) != NUM_AUX_LAYERS or min(self.aux_layers) < 0:

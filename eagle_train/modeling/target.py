@@ -56,6 +56,7 @@ from eagle_train.modeling.attention_layout import (
     attention_layout,
 )
 from eagle_train.modeling.decode_check import check_decode
+from eagle_train.modeling.frozen_step import FrozenDecoder
 from eagle_train.modeling.gguf import gguf_model_dir, is_gguf_target
 from eagle_train.modeling.logit_transform import LogitTransform
 from eagle_train.runtime.errors import InputError
@@ -408,6 +409,11 @@ class Target(TargetParts):
         after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3)."""
         attention = self.decode_attention
         layout = self.attention_layout
+        frozen = self._frozen_decoder
+        if frozen is not None and layout.max_window is None and frozen.fits(input_ids.shape[1], cache):
+            with attention_implementation(self.decoder.config, attention):
+                logits, hidden, hidden_states = frozen(input_ids, position_ids, attention_mask, cache)
+            return logits, hidden if aux_layers is None else select_layers(hidden_states, aux_layers)
         if layout.max_window is None:
             attention_mask = additive_mask(attention_mask, self.dtype)
         else:  # committed slot i holds position i (the decoder compacts every accepted path)
@@ -445,12 +451,19 @@ class Target(TargetParts):
         are dynamic from the start (the query count and the cache length change every call); dynamo traces
         through `HFCacheView` without a graph break on Llama-style models, and a model it cannot trace
         runs in pieces (graph breaks), never wrong."""
-        # A process decodes several kinds of forward, each its own graph: one-token steps and wider ones,
-        # with and without aux features, the prompt (as many queries as keys), inference-mode tensors or
-        # not, a full cache. Past dynamo's default of 8 graphs the rest would silently run uncompiled.
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        allow_recompiles()
         return torch.compile(self._decode_modules[0], dynamic=True, options=self.compile_options)
+
+    @functools.cached_property
+    def _frozen_decoder(self) -> FrozenDecoder | None:
+        """target.compile_frozen's graphs for forwards of up to 16 new tokens (modeling.frozen_step); None when
+        off. Windowed targets keep compile_decode's graphs (their masks are per layer type)."""
+        if not (self.cfg.compile_decode and self.cfg.compile_frozen):
+            return None
+        decoder, cache_kwarg, lm_head = self._decode_modules
+        cpp = self.compile_options["cpp_wrapper"]
+        allow_recompiles()
+        return FrozenDecoder(decoder, lm_head, self.logit_transform, cache_kwarg, self.dtype, cpp)
 
     @property
     def compile_options(self) -> dict[str, bool]:
@@ -459,6 +472,14 @@ class Target(TargetParts):
         of Python (stories260K, one thread: `ar` 5-8% faster in tokens/s, docs/benchmarks.md)."""
         cpp = self.cfg.compile_cpp_wrapper
         return {"cpp_wrapper": self.device.type == "cpu" if cpp is None else bool(cpp)}
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's graph limit per compiled function to RECOMPILE_LIMIT. A process decodes several kinds of
+    forward, each its own graph: one-token steps and wider ones, with and without aux features, the prompt (as
+    many queries as keys), inference-mode tensors or not, a full cache, each padded query count of
+    target.compile_frozen. Past dynamo's default of 8 graphs the rest would silently run uncompiled."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def select_layers(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
