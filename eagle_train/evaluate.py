@@ -53,7 +53,7 @@ from eagle_train.modeling.target import Target, load_target
 from eagle_train.report.engine_section import engine_section
 from eagle_train.report.results import BASELINE, markdown_table, summarize, write_report
 from eagle_train.report.shape_section import shape_section
-from eagle_train.runtime.atomic_files import atomic_write_lines, read_json, remove_partial_files
+from eagle_train.runtime.atomic_files import atomic_write_lines, cache_dir, read_json, remove_partial_files
 from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def tune_bench(
         head,
         prompts,
         tokens,
-        Path(cfg.out_dir) / "costs",
+        cache_dir() / "costs",  # reused by every run on this machine (the key says what they hold)
         lean=cfg.decode.lean_draft,
         static_base=base,
         race=cfg.tune_race if "eagle2" in auto else 0,  # the race settles EAGLE-2's shape only
@@ -137,6 +137,8 @@ def tune_bench(
     ]
     info.update(held_out=bool(held_out), questions=[q.question_id for q in pool], tokens=tokens)
     log.info("%s: shapes chosen %s", bench_name(bench), {m: choice.decode_fields(m) for m in auto})
+    if choice.verdict:
+        log.warning("%s: %s", bench_name(bench), choice.verdict)
     return {
         "methods": {m: choice.decode_fields(m) for m in auto},
         "choice": choice.to_dict(),

@@ -84,10 +84,11 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path):
+def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path, monkeypatch):
     """The evaluate default (decode.shape=auto, decode.tree=auto, threads measured): every speculative
     method decodes with the shape chosen for it, greedy identity holds, the report says what was chosen
-    and predicted, and a rerun into the same out_dir reuses the cost curves."""
+    and predicted, and a rerun reuses the cost curves from eagle-train's cache."""
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))  # no curves measured before
     overrides = [
         f"draft.path={head_dir}",
         "bench=[tinystories]",
@@ -110,14 +111,20 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path):
     assert max(d for a in rounds for d in a["draft_depths"]) <= eagle2["depth"] + 1
     assert report["meta"]["threads"].startswith("1 ")  # the tests' torch runs one thread
     assert (tmp_path / "cost_curves.png").stat().st_size > 0
-    # the EAGLE-2 shape is the race's fastest measured candidate, and the report lists the race
-    race = tuning["choice"]["race"]
-    assert len(race) >= 2 and {k: race[0][k] for k in eagle2} == eagle2
-    assert "timed side by side on the calibration prompts" in (tmp_path / "report.md").read_text()
+    race, verdict = tuning["choice"]["race"], tuning["choice"]["verdict"]
+    report_md = (tmp_path / "report.md").read_text()
+    if (
+        verdict is None
+    ):  # a shape pays: EAGLE-2's is the race's fastest measured candidate, the report lists it
+        assert len(race) >= 2 and {k: race[0][k] for k in eagle2} == eagle2
+        assert "timed side by side on the calibration prompts" in report_md
+    else:  # this small head's tau is about 1 on a busy machine: no race, the report says so in one line
+        assert race == [] and f"**tinystories: {verdict}.**" in report_md
     # a rerun with EAGLE-2's shape fixed: the cost curves reused, the chain still chosen, no race
     fixed = to_schema(compose("evaluate", overrides=[*overrides, "decode.depth=2"]), EvaluateConfig)
     again = run(fixed)["shapes"]["tuning"]["tinystories"]
     assert again["info"]["costs_reused"] and set(again["methods"]) == {"chain", "eagle1"}
+    assert again["info"]["costs_file"].startswith(str(tmp_path / "cache" / "costs"))
     assert again["choice"]["race"] == []
 
 

@@ -112,11 +112,14 @@ def cost_key(
     """What cost curves hold for: (target, device, threads, dtype) and the head's shape, the context
     length and the grid. The one home of that rule (the cache file name is a hash of it). A target whose
     decoder runs compiled (target.compile_decode) is another key, and each inductor wrapper it runs another
-    (`Target.compile_options`; absent uncompiled: older files stay valid)."""
+    (`Target.compile_options`; absent uncompiled: older files stay valid), and its frozen graphs another
+    (target.compile_frozen)."""
     compiled = bool(getattr(getattr(target, "cfg", None), "compile_decode", False))
+    frozen = compiled and bool(getattr(target.cfg, "compile_frozen", False))
     parallel = getattr(head, "kind", None) == "peagle"  # drafts in its catch-up: other curves
     return {
         **({"compile_decode": True, **target.compile_options} if compiled else {}),
+        **({"compile_frozen": True} if frozen else {}),
         **({"head_kind": "peagle"} if parallel else {}),
         "version": COSTS_VERSION,
         "target": _architecture(target.config),

@@ -43,6 +43,8 @@ class ShapeChoice:
     eagle1: dict[str, Any] | None = None  # tree_paths, nodes, tau, tokens_per_s, round_s (decode.tree=auto)
     # race_shapes' candidates with what they measured, fastest measured first (empty: no race)
     race: list[dict[str, Any]] = field(default_factory=list)
+    # one line when no shape is predicted to beat plain decoding (`no_shape_pays`), else None
+    verdict: str | None = None
 
     def decode_fields(self, method: str) -> dict[str, int]:
         """The DecodeConfig fields that fix `method`'s chosen shape."""
@@ -63,6 +65,7 @@ class ShapeChoice:
             "sweep": self.sweep[:sweep_rows],
             "shapes_predicted": len(self.sweep),
             "race": self.race,
+            "verdict": self.verdict,
         }
 
 
@@ -228,6 +231,29 @@ def choose_static(calibration: Calibration, model: RoundModel) -> dict[str, Any]
     return best
 
 
+def no_shape_pays(choice: ShapeChoice) -> str | None:
+    """One line when the fastest predicted shape of every method (EAGLE-2, chain, static tree) is no faster
+    than plain decoding: its prediction against ar's, and the tau or round time it would need to break even
+    (tokens/s = tau / round time). None when a shape is predicted to pay."""
+    best = max(filter(None, (choice.eagle2, choice.chain, choice.eagle1)), key=lambda r: r["tokens_per_s"])
+    ar = choice.ar_tokens_per_s
+    if best["tokens_per_s"] > ar:
+        return None
+    round_s = sum(best["round_s"].values())
+    if "chain_length" in best:
+        name = f"a chain of {best['chain_length']}"
+    elif "tree_paths" in best:
+        name = f"a static tree of {best['nodes']} nodes"
+    else:
+        name = f"EAGLE-2 depth {best['depth']} top_k {best['top_k']} total_tokens {best['total_tokens']}"
+    return (
+        f"no shape is predicted to beat plain decoding: the fastest, {name}, {best['tokens_per_s']:.1f} tokens/s "
+        f"against ar's {ar:.1f} ({best['tokens_per_s'] / ar:.2f}x); to break even its tau would have to reach "
+        f"{ar * round_s:.2f} (predicted {best['tau']:.2f}) or its round take {best['tau'] / ar * 1e3:.1f} ms "
+        f"(predicted {round_s * 1e3:.1f}): on this machine, serve without this head"
+    )
+
+
 def race_candidates(sweep: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     """The best predicted shape of each of the `n` fastest predicted (depth, top_k) pairs (`sweep` is
     fastest first): shapes that differ by a node or two are the same tree to a timer, so the race spends
@@ -309,7 +335,7 @@ def tune_shapes(
     curves at their context length, and choose (the static tree too when `static_base` is given: its
     candidates are `auto_tree_paths(static_base)`); then, when `race` > 1, time the best predicted shape of
     the `race` fastest (depth, top_k) pairs on the same prompts (`race_shapes`) and keep the fastest
-    measured as the EAGLE-2 choice. Returns (choice, costs, what it took)."""
+    measured as the EAGLE-2 choice, unless no shape is predicted to pay (`no_shape_pays`). Returns (choice, costs, what it took)."""
     start = time.perf_counter()
     sequences = greedy_sequences(target, prompts, max_new_tokens, lookahead=max_depth + 1)
     static = auto_tree_paths(static_base, max_depth) if static_base is not None else None
@@ -326,8 +352,9 @@ def tune_shapes(
     model = measure_phases(target, head, sequences, costs, max_new_tokens, lean=lean)
     phases_s = time.perf_counter() - phases_start
     choice = choose_shapes(calibration, model)
+    choice.verdict = no_shape_pays(choice)
     race_start = time.perf_counter()
-    if race > 1:
+    if race > 1 and choice.verdict is None:  # nothing pays: no race among shapes that lose
         candidates = race_candidates(choice.sweep, race)
         if len(candidates) > 1:
             choice.race = race_shapes(target, head, prompts, candidates, max_new_tokens, race_repeats, lean)

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from eagle_train.config.base import CONF_DIR
 
 METHODS = ("ar", "hf", "chain", "eagle1", "eagle2")
+PLAIN_METHODS = ("ar", "hf")  # plain decoding: one target forward per token, no head
 SPECULATIVE = ("chain", "eagle1", "eagle2")
 SHAPES = ("auto", "fixed")
 AUTO_TREE_BASE = "mc_sim_7b_63"  # decode.tree=auto prunes this tree, extended by the draft's top-1 chain

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_train.config.decode import METHODS, SHAPE_DEFAULTS, DecodeConfig
+from eagle_train.config.decode import METHODS, PLAIN_METHODS, SHAPE_DEFAULTS, DecodeConfig
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
@@ -89,7 +89,7 @@ class EvaluateConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"methods must be a non-empty list of {METHODS}, got {self.methods}")
-        if any(m != "ar" and m != "hf" for m in self.methods) and not self.draft.path:
+        if any(m not in PLAIN_METHODS for m in self.methods) and not self.draft.path:
             raise ValueError("speculative methods need a head: set draft.path=DIR (or methods=[ar])")
         if self.num_questions is not None and self.num_questions < 1:
             raise ValueError(f"num_questions must be >= 1 or null, got {self.num_questions}")

@@ -70,6 +70,8 @@ def shape_markdown(tuning: dict[str, dict], table: list[dict], threads: str | No
         info, choice = tuned["info"], tuned["choice"]
         model = info["round_model"]
         source = "held-out questions" if info["held_out"] else "evaluated questions (none held out)"
+        if choice.get("verdict"):
+            lines += ["", f"**{bench}: {choice['verdict']}.**"]
         lines += [
             "",
             f"{bench}: calibrated on {info['calibration_prompts']} {source} ({info['tokens']} tokens each, "

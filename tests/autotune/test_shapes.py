@@ -18,6 +18,7 @@ from eagle_train.autotune.shapes import (
     RoundModel,
     choose_shapes,
     fit_line,
+    no_shape_pays,
     race_candidates,
     race_shapes,
     tune_shapes,
@@ -107,6 +108,25 @@ def test_the_choice_is_the_argmax_of_its_own_model(calibration, costs):
     assert choice.decode_fields("eagle2") == {k: best[k] for k in ("depth", "top_k", "total_tokens")}
 
 
+def test_a_head_that_cannot_pay_is_said_to_in_one_line(calibration, costs):
+    """Plain decoding faster than every predicted shape: one line with the fastest shape's prediction and the
+    tau or round time it would need to break even (tokens/s = tau / round time); a shape that pays: None."""
+    model = RoundModel(costs, ar_token_s=costs.verify(1))
+    paying = choose_shapes(calibration, model)
+    assert paying.eagle2["tokens_per_s"] > paying.ar_tokens_per_s and no_shape_pays(paying) is None
+    fastest = max(r["tokens_per_s"] for r in (paying.eagle2, paying.chain, paying.eagle1))
+    ar_s = 1 / (1.2 * fastest)  # plain decoding 1.2x the fastest shape's predicted tokens/s
+    losing = choose_shapes(calibration, replace(model, ar_token_s=ar_s))
+    verdict = no_shape_pays(losing)
+    best = max((losing.eagle2, losing.chain, losing.eagle1), key=lambda r: r["tokens_per_s"])
+    round_s = sum(best["round_s"].values())
+    assert verdict.startswith("no shape is predicted to beat plain decoding: the fastest, ")
+    assert f"against ar's {1 / ar_s:.1f} (0.83x)" in verdict
+    assert f"tau would have to reach {round_s / ar_s:.2f} (predicted {best['tau']:.2f})" in verdict
+    assert f"round take {best['tau'] * ar_s * 1e3:.1f} ms (predicted {round_s * 1e3:.1f})" in verdict
+    assert verdict.endswith("serve without this head")
+
+
 def test_the_race_takes_the_best_predicted_shape_of_the_fastest_depth_top_k_pairs(calibration, costs):
     sweep = choose_shapes(calibration, costs).sweep
     picked = race_candidates(sweep, 3)
@@ -177,14 +197,16 @@ def test_the_cost_cache_is_keyed_and_reused(target, trained_head, costs, tmp_pat
     # ... and so is a compiled decoder (target.compile_decode: other forward times), under each wrapper
     compiled = replace(target, cfg=replace(target.cfg, compile_decode=True))
     python_wrapper = replace(target, cfg=replace(target.cfg, compile_decode=True, compile_cpp_wrapper=False))
+    frozen = replace(target, cfg=replace(target.cfg, compile_decode=True, compile_frozen=True))
     others = [
         other_threads,
         cost_key(target, trained_head, 64, 24, 4, 4, 1),
         {**key, "dtype": "bfloat16"},
         cost_key(compiled, trained_head, 32, 24, 4, 4, 1),
         cost_key(python_wrapper, trained_head, 32, 24, 4, 4, 1),
+        cost_key(frozen, trained_head, 32, 24, 4, 4, 1),
     ]
-    assert len({cache_path(tmp_path, k) for k in [key, *others]}) == 6
+    assert len({cache_path(tmp_path, k) for k in [key, *others]}) == 7
     # a file whose key was edited is measured again
     stored["key"]["context"] = 99
     cache_path(tmp_path, key).write_text(json.dumps(stored))
