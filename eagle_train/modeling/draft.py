@@ -26,7 +26,6 @@ from transformers.models.llama.modeling_llama import (
 
 from eagle_train.decoding.kv_cache import attention_shape
 from eagle_train.modeling.logit_transform import LogitTransform
-from eagle_train.training.ttt import DiagonalCache
 
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
@@ -67,6 +66,13 @@ class KVCache(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class AttendingCache(Protocol):
+    """A cache that computes the attention itself from this step's queries, keys and values (RoPE applied;
+    the training-time test's `training.ttt.DiagonalCache`): output [batch, heads, q_len, head_dim]."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 def draft_llama_config(
     target_config: PretrainedConfig, num_layers: int = 1, intermediate_size: int | None = None
 ) -> LlamaConfig:
@@ -95,7 +101,7 @@ def draft_llama_config(
 
 class DraftAttention(nn.Module):
     """Grouped-query self-attention with RoPE and an optional external KV cache; q/k/v read inputs of
-    `in_features` (the hidden size; EAGLE-3: twice that, [embedding ; feature]). A `DiagonalCache`
+    `in_features` (the hidden size; EAGLE-3: twice that, [embedding ; feature]). An `AttendingCache`
     (training-time test, chain metrics) computes the attention itself."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int, in_features: int | None = None):
@@ -117,14 +123,14 @@ class DraftAttention(nn.Module):
         x: torch.Tensor,  # [batch, q_len, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,  # bool [batch|1, 1, q_len, kv_len], True = attend
-        cache: KVCache | None,
+        cache: KVCache | AttendingCache | None,
     ) -> torch.Tensor:
         bsz, q_len, _ = x.shape
         q = self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *cos_sin)
-        if isinstance(cache, DiagonalCache):
+        if hasattr(cache, "attend"):
             out = cache.attend(self.layer_idx, q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
         if cache is not None:
@@ -243,7 +249,7 @@ class DraftHead(FrozenParts, nn.Module):
         features: torch.Tensor,  # [batch, seq, hidden]: f_j
         position_ids: torch.Tensor | None = None,  # [batch, seq]; default 0..seq-1 (+ cache offset)
         attention_mask: torch.Tensor | None = None,  # bool [batch|1, 1, seq, kv_len]; None = causal
-        cache: KVCache | None = None,
+        cache: KVCache | AttendingCache | None = None,
     ) -> torch.Tensor:
         """Predicted features f^_{j+1} [batch, seq, hidden]."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(features.dtype), features], dim=-1))

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from eagle_train.config.target import NUM_AUX_LAYERS
 from eagle_train.modeling.draft import (
+    AttendingCache,
     DraftAttention,
     DraftDecoderLayer,
     FrozenParts,
@@ -181,7 +182,7 @@ class Eagle3Head(FrozenParts, nn.Module):
         features: torch.Tensor,  # [batch, seq, 3 d_t] target features a_j, or [batch, seq, d] a state
         position_ids: torch.Tensor | None = None,  # [batch, seq]; default 0..seq-1
         attention_mask: torch.Tensor | None = None,  # bool [batch|1, 1, seq, kv_len]; None = causal
-        cache: KVCache | None = None,
+        cache: KVCache | AttendingCache | None = None,
     ) -> torch.Tensor:
         """The draft state [batch, seq, d] the next step is fed (see the module docstring)."""
         hidden = self.fuse(features) if features.shape[-1] != self.config.hidden_size else features
