@@ -6,7 +6,8 @@ target, side by side in ONE process: the eager decode-time forward and target.co
 
 Cost curve: after a prefix of --context random token ids, the decode-time forward of k new tokens (a chain,
 causal within the k) from the same cache each time (nothing committed), the median of --repeats timed calls
-after one untimed call (which builds a frozen graph: about two minutes each on SmolLM2). Printed in ms and as
+after one untimed call (which builds a frozen graph, about two minutes each on SmolLM2, and measures whether a
+bucket runs whole or in chunks of a smaller one). Printed in ms and as
 cost(k) / cost(1) of the same forward: speculation pays only where that ratio stays near 1.
 Plain decoding: `ar` on each forward and `hf` (HF generate) answer the first --answers mt_bench first turns
 (--new-tokens, greedy) after one warm-up answer; tokens/s, and whether every answer equals hf's.
@@ -125,6 +126,8 @@ def main() -> None:
     for row in plain.values():
         del row["answers"]
     result = {"target": args.target, "context": args.context, "threads": 1, "curve": curve, "plain": plain}
+    if "frozen" in targets:  # bucket -> the chunk its forwards ran in (measured: modeling.frozen_step)
+        result["frozen_chunks"] = targets["frozen"]._frozen_decoder.chunks
     result["ar_over_hf"] = {n: r["tokens_per_s"] / plain["hf"]["tokens_per_s"] for n, r in plain.items()}
     print(json.dumps(result, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,17 @@ recompiles. A forward of q new tokens is padded to the next bucket: the padding 
 attend only to themselves, and write their keys and values past the real ones, where nothing is committed
 (`pad_queries`); their outputs are dropped. Everything else is the stock model: the same modules, the same
 cache (through `SlotCacheView`), the same masks as the eager decode path.
+
+A CPU GEMM kernel that reads each weight once for up to 4 rows may take twice as long or more for 8 (measured on
+SmolLM2-135M: 25 ms for 4 new tokens, 103 ms for 8). So a wide forward may run as consecutive chunks of a
+smaller bucket, each chunk's keys and values written to the cache before the next attends to them (the same
+attention, as a chunked prefill computes it): at the first forward of each bucket wider than `MIN_CHUNK` the
+whole graph and every chunking are timed on that forward, and the fastest is kept for the process (`plan`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -21,6 +29,8 @@ from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.modeling.attention_layout import additive_mask
 
 QUERY_BUCKETS = (1, 2, 4, 8, 16)  # padded query counts, one graph each
+MIN_CHUNK = 4  # the narrowest chunk a wide forward is split into (narrower ones read the weights as often)
+PLAN_REPEATS = 2  # timings per candidate when a bucket's chunking is chosen (the fastest of each kept)
 
 
 def query_bucket(queries: int) -> int | None:
@@ -100,11 +110,13 @@ class FrozenStep(nn.Module):
 
 
 class FrozenDecoder:
-    """The compiled `FrozenStep`: torch.compile builds one graph per padded query count, at its first use."""
+    """The compiled `FrozenStep`: torch.compile builds one graph per padded query count, at its first use; a
+    forward wider than MIN_CHUNK runs whole or in chunks, as `plan` measured."""
 
     def __init__(self, decoder, lm_head, transform, cache_kwarg: str, dtype: torch.dtype, cpp_wrapper: bool):
         self.dtype, self.cpp_wrapper = dtype, cpp_wrapper
         self.step = torch.compile(FrozenStep(decoder, lm_head, transform, cache_kwarg), dynamic=False)
+        self.chunks: dict[int, int] = {}  # bucket -> the chunk its forwards run in (measured by `plan`)
 
     def inductor_options(self) -> dict:
         """Inductor's settings while a frozen graph is built (a patch of its global config: torch.compile's
@@ -125,6 +137,51 @@ class FrozenDecoder:
     def __call__(self, input_ids, position_ids, attention_mask, cache: StaticKVCache):
         """The stock forward of a forward that `fits`: logits [1, q, vocab], the last hidden state [1, q,
         hidden] and Hugging Face's `hidden_states` (each [1, q, hidden]) of the q real tokens."""
+        bucket = query_bucket(input_ids.shape[1])
+        if bucket not in self.chunks:
+            self.chunks[bucket] = self.plan(bucket, input_ids, position_ids, attention_mask, cache)
+        return self.forward(self.chunks[bucket], input_ids, position_ids, attention_mask, cache)
+
+    def plan(self, bucket: int, input_ids, position_ids, attention_mask, cache: StaticKVCache) -> int:
+        """The chunk (a bucket from MIN_CHUNK up to `bucket`) whose run of this forward was fastest, each
+        candidate built and run once, then timed PLAN_REPEATS times (the fastest kept). Nothing is
+        committed: each run writes the same keys and values to the same uncommitted slots."""
+        candidates = [c for c in QUERY_BUCKETS if MIN_CHUNK <= c <= bucket] or [bucket]
+        if len(candidates) == 1:
+            return candidates[0]
+        seconds = {}
+        for chunk in candidates:
+            self.forward(chunk, input_ids, position_ids, attention_mask, cache)  # builds its graph
+            runs = []
+            for _ in range(PLAN_REPEATS):
+                start = time.perf_counter()
+                self.forward(chunk, input_ids, position_ids, attention_mask, cache)
+                runs.append(time.perf_counter() - start)
+            seconds[chunk] = min(runs)
+        return min(seconds, key=seconds.get)
+
+    def forward(self, chunk: int, input_ids, position_ids, attention_mask, cache: StaticKVCache):
+        """The forward in consecutive pieces of at most `chunk` queries (one piece: the whole), each through
+        its bucket's graph; a piece attends to the context and the pieces before it (their keys and values
+        are in the cache by then) as the whole forward's mask says."""
+        queries = input_ids.shape[1]
+        context = attention_mask.shape[-1] - queries
+        pieces = []
+        for lo in range(0, queries, chunk):
+            hi = min(lo + chunk, queries)
+            mask = attention_mask[:, :, lo:hi, : context + hi]
+            pieces.append(self.run(input_ids[:, lo:hi], position_ids[:, lo:hi], mask, cache))
+        if len(pieces) == 1:
+            return pieces[0]
+        logits, hidden, states = zip(*pieces, strict=True)
+        return (
+            torch.cat(logits, 1),
+            torch.cat(hidden, 1),
+            tuple(torch.cat(h, 1) for h in zip(*states, strict=True)),
+        )
+
+    def run(self, input_ids, position_ids, attention_mask, cache: StaticKVCache):
+        """One graph's forward: the queries padded to their bucket, the padding's outputs dropped."""
         import torch._inductor.config as inductor_config
 
         queries = input_ids.shape[1]
