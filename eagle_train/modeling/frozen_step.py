@@ -190,6 +190,8 @@ class FrozenDecoder:
         slots = torch.empty(mask.shape[-1], dtype=torch.int8, device=mask.device)  # only its length is read
         torch._dynamo.mark_dynamic(mask, 3)
         torch._dynamo.mark_dynamic(slots, 0)
+        for layer in (*cache._layer_keys, *cache._layer_values):  # its capacity: one graph for every cache
+            torch._dynamo.mark_dynamic(layer, 2)
         with inductor_config.patch(self.inductor_options()):
             logits, hidden, hidden_states = self.step(ids, positions, mask, SlotCacheView(cache, slots))
         return logits[:, :queries], hidden[:, :queries], tuple(h[:, :queries] for h in hidden_states)

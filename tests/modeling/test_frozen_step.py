@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from eagle_train.decoding.tree import build_tree
 from eagle_train.modeling.frozen_step import QUERY_BUCKETS, pad_queries, query_bucket
@@ -35,8 +36,8 @@ def test_frozen_graphs_compute_the_stock_forward(target, chunk):
     """A tree of 7 drafted tokens (padded to 8; whole, or in chunks of 4 and 3 padded to 4, the first's keys
     and values in the cache before the second attends to them) and a one-token step after it, through the
     frozen graphs and the stock forward from the same cache: the same logits and features, the same keys and
-    values in the real slots, nothing committed by the padding. About 70 s: three graphs autotuned and
-    compiled, the chunking of the 8-query bucket measured."""
+    values in the real slots, nothing committed by the padding; a cache of another capacity builds no new
+    graph. About 70 s: three graphs autotuned and compiled, the chunking of the 8-query bucket measured."""
     frozen = replace(target, cfg=replace(target.cfg, compile_decode=True, compile_frozen=True))
     assert frozen._frozen_decoder is not None and target._frozen_decoder is None
     g = torch.Generator().manual_seed(5)
@@ -65,6 +66,17 @@ def test_frozen_graphs_compute_the_stock_forward(target, chunk):
             )
             runs.append((tree_out, step_out, real_slots, cache.kv[:, :, :, :, :15].clone()))
     stock, compiled = runs
+    # another generation's cache (another capacity: prompt + budget) runs the graphs already built
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        cache = target.new_cache(48)
+        target.decode(
+            prefix, torch.arange(11)[None], torch.ones(11, 11, dtype=torch.bool).tril()[None, None], cache
+        )
+        cache.advance(11)
+        again = frozen.decode(tree.tokens[None], (tree.depth + 11)[None], tree_mask, cache)
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch.testing.assert_close(again[0], stock[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled[0], stock[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled[1], stock[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled[2], stock[2], rtol=1e-5, atol=1e-5)
