@@ -9,6 +9,8 @@ the attention mask, so a batched greedy reply equals the one-at-a-time reply), g
 (temperature, top_p, seed), stopping at the target's EOS / stop ids. A prompt whose length plus
 `max_new_tokens` exceeds the context (the target's max_len, or data.max_len if smaller) is skipped and
 counted; in `turns=all` a later turn that does not fit ends the conversation there (counted).
+`backend=vllm` has vLLM write the replies instead, from its own environment, continuously batched
+(eagle_train.engines.vllm_generate): the same prompts, groups, output and resume rules; one process.
 
 Output: ShareGPT JSONL `{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}],
 "finish_reasons": ["stop"|"length", ...]}`. `<out>.stats.json` records the settings that decide the
@@ -26,11 +28,14 @@ eagle_train.regenerate ...` (or plain `accelerate launch` on GPUs).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,7 +49,8 @@ from eagle_train.config.base import mismatches, resolve_path
 from eagle_train.config.regenerate import RegenerateConfig
 from eagle_train.data.render import ChatRenderer
 from eagle_train.data.sharegpt import SHAREGPT_ROLES, check_data_file, load_conversations
-from eagle_train.modeling.frozen import checkpoint_sha256
+from eagle_train.engines.vllm_generate import VllmGenerator
+from eagle_train.modeling.frozen import checkpoint_sha256, load_frozen_target
 from eagle_train.modeling.target import Target, load_target, target_source
 from eagle_train.runtime.atomic_files import (
     OutputError,
@@ -58,6 +64,9 @@ from eagle_train.runtime.atomic_files import (
 from eagle_train.runtime.errors import InputError
 
 log = logging.getLogger(__name__)
+
+# a backend's replies: (prompts, max_new_tokens, temperature, top_p, seed) -> (reply ids, finish) per prompt
+Generate = Callable[[list[list[int]], int, float, float, int], list[tuple[list[int], str]]]
 
 
 # ------------------------------------------------------------------------------------------ generation
@@ -131,14 +140,16 @@ class Conversation:
 
 
 def regenerate_group(
-    target: Target,
+    generate: Generate,
+    tokenizer,
     renderer: ChatRenderer,
     group: list[Conversation],
     cfg: RegenerateConfig,
     limit: int,
     seed: int,
 ) -> tuple[list[dict], Counter]:
-    """Answer every turn of a group of conversations, one batched `generate` per turn index.
+    """Answer every turn of a group of conversations, one batched `generate` per turn index (`generate`:
+    the backend's, prompts -> (reply ids, finish) per prompt; `generate_batch` of the hf backend).
 
     Returns the records of conversations with at least one reply, and counts (too_long, turns_cut, tokens).
     """
@@ -155,9 +166,9 @@ def regenerate_group(
             prompts.append(prompt)
         if not active:
             continue
-        replies = generate_batch(target, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed + k)
+        replies = generate(prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed + k)
         for conv, (reply, finish) in zip(active, replies, strict=True):
-            text = target.tokenizer.decode(reply, skip_special_tokens=True)
+            text = tokenizer.decode(reply, skip_special_tokens=True)
             conv.history += [
                 {"role": "user", "content": conv.users[k]},
                 {"role": "assistant", "content": text},
@@ -244,6 +255,9 @@ def settings(cfg: RegenerateConfig, data_file: Path) -> dict:
         "target_weight_files": checkpoint_sha256(target_source(cfg.target), cfg.target.revision),
         "data": {"path": str(data_file), "sha256": file_sha256(data_file), **data},
         **{k: getattr(cfg, k) for k in ("turns", "max_new_tokens", "temperature", "top_p", "seed")},
+        **(
+            {"backend": cfg.backend} if cfg.backend != "hf" else {}
+        ),  # vLLM's replies are its kernels' and draws
     }
 
 
@@ -343,7 +357,14 @@ def regenerate(cfg: RegenerateConfig, out: Path, accelerator: Accelerator) -> di
     accelerator.wait_for_everyone()  # every rank read the same done set before anyone appends
     pending = [n for n, i in enumerate(ids) if i not in done][rank::world]
 
-    target = load_target(cfg.target, accelerator.device)
+    if cfg.backend == "vllm" and world > 1:
+        raise InputError(
+            "backend=vllm runs one vLLM for the whole regeneration: launch one process and spread the target "
+            f"with vllm.tensor_parallel_size (got {world} processes)"
+        )
+    target = (
+        load_target(cfg.target, accelerator.device) if cfg.backend == "hf" else load_frozen_target(cfg.target)
+    )
     # longest prompt + reply: the target's context, or the training length (data.max_len) if smaller
     limit = target.length_limit(cfg.data.max_len)
     renderer = ChatRenderer(target.tokenizer, cfg.target, limit)
@@ -368,11 +389,19 @@ def regenerate(cfg: RegenerateConfig, out: Path, accelerator: Accelerator) -> di
         disable=not (cfg.progress and accelerator.is_main_process),
     )
     start = time.perf_counter()
-    with open_part(out.with_name(f"{out.name}.part{rank}")) as f:
+    engine = (
+        VllmGenerator(target, cfg.vllm, out.with_name(f"{out.name}.vllm.log"), limit)
+        if cfg.backend == "vllm" and convs  # nothing left to write: no vLLM started
+        else None
+    )
+    generate = engine.generate if engine else functools.partial(generate_batch, target)
+    with contextlib.ExitStack() as stack, open_part(out.with_name(f"{out.name}.part{rank}")) as f:
+        if engine:
+            stack.callback(engine.close)
         for number, lo in enumerate(range(0, len(convs), cfg.batch_size)):
             group = convs[lo : lo + cfg.batch_size]
             seed = cfg.seed + rank * 1_000_003 + number * 101
-            records, counts = regenerate_group(target, renderer, group, cfg, limit, seed)
+            records, counts = regenerate_group(generate, target.tokenizer, renderer, group, cfg, limit, seed)
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
             f.flush()
             stats.update(counts)

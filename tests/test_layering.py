@@ -10,8 +10,9 @@ its layer allows (LAYERS: the first matching prefix wins, so specific names come
     and loops    modeling/*, interop/* and families/* (the only transformers importers;
                  families: tiny family instances), the rest of data/* (the only
                  datasets importers besides stages), store/*, report/* (matplotlib), engines/* (a serving
-                 engine in its own environment; engines/vllm_worker runs there: stdlib + vllm only, and
-                 engines/vllm_extract_worker: stdlib + vllm + vLLM's own torch and safetensors)
+                 engine in its own environment; engines/vllm_worker, vllm_generate_worker and
+                 vllm_worker_loop run there: stdlib + vllm only, and engines/vllm_extract_worker: stdlib +
+                 vllm + vLLM's own torch and safetensors)
                  + safetensors
   3 stage pieces the rest of training/*, autotune/* (it times this machine and caches what it measured),
                  diagnostics/*            torch, numpy (accelerate objects come in as arguments)
@@ -74,7 +75,10 @@ EXTRA = {
     "report": {"matplotlib"},
     "engines.vllm_worker": {"vllm"},  # runs in vLLM's own environment (checked below: nothing else)
     "engines.vllm_cli": {"vllm"},  # likewise: the `vllm` command
-    "engines.vllm_extract_worker": {"vllm"},  # likewise, with vLLM's torch and safetensors
+    # likewise, with vLLM's torch and safetensors, and their request loop (a sibling module there)
+    "engines.vllm_extract_worker": {"vllm", "vllm_worker_loop"},
+    "engines.vllm_generate_worker": {"vllm", "vllm_worker_loop"},
+    "engines.vllm_worker_loop": {"vllm"},
     "modeling.gguf": {"gguf"},  # GGUF targets (the optional gguf package)
     "modeling": {"transformers"},
     "interop": {"transformers"},
@@ -182,7 +186,9 @@ def test_the_root_shim_only_calls_the_train_stage():
     [
         ("engines.vllm_worker", {"vllm"}),
         ("engines.vllm_cli", {"vllm"}),
-        ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors"}),
+        ("engines.vllm_extract_worker", {"vllm", "torch", "safetensors", "vllm_worker_loop"}),
+        ("engines.vllm_generate_worker", {"vllm", "vllm_worker_loop"}),
+        ("engines.vllm_worker_loop", {"vllm"}),
     ],
 )
 def test_the_vllm_workers_import_only_what_vllm_s_environment_has(worker, allowed):

@@ -13,19 +13,34 @@ VERIFY = ("changed", "full")
 
 
 @dataclass
-class VllmExtractConfig:
-    """backend=vllm: vLLM computes the hidden states, from its own environment (`make vllm-env`)."""
+class VllmEngineConfig:
+    """backend=vllm of extract and regenerate: vLLM runs the target, from its own environment (`make vllm-env`)."""
 
     python: str | None = None  # vLLM's python (null = .venv-vllm/bin/python of this checkout)
     tensor_parallel_size: int = 1  # GPUs one target is split over (70B: a node's 8)
     max_num_seqs: int = 64  # conversations vLLM runs at once
-    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM may use (weights + the hidden-state cache)
+    gpu_memory_utilization: float = 0.85  # share of each GPU vLLM may use (weights + its cache)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("vllm.tensor_parallel_size and vllm.max_num_seqs must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class VllmExtractConfig(VllmEngineConfig):
+    """backend=vllm: vLLM computes the hidden states."""
+
     chunk: int = 256  # conversations per request to the vLLM worker (bounds its temporary files)
     timeout_s: float = 3600  # longest wait for one request before the extraction stops
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1 or self.chunk < 1:
-            raise ValueError("vllm.tensor_parallel_size, vllm.max_num_seqs and vllm.chunk must be >= 1")
+        super().__post_init__()
+        if self.chunk < 1:
+            raise ValueError("vllm.chunk must be >= 1")
 
 
 @dataclass

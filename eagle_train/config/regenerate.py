@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagle_train.config.data import DataConfig
+from eagle_train.config.extract import BACKENDS, VllmEngineConfig
 from eagle_train.config.target import TargetConfig
 
 TURN_MODES = ("first", "all")
@@ -19,7 +20,12 @@ class RegenerateConfig:
     # output ShareGPT JSONL; a rerun skips ids already in it (or in its .part files)
     out: str = "outputs/regenerated/${target.name}_${data.name}.jsonl"
     turns: str = "first"  # first: reply to the first user turn only | all: every user turn, in order
-    batch_size: int = 16  # prompts per `generate` call (left-padded)
+    # hf: the Hugging Face target's `generate` here, batch_size prompts left-padded per call | vllm: vLLM in
+    # its own environment (`make vllm-env`), batch_size prompts per request, continuously batched
+    # (vllm.max_num_seqs at once); one process, vllm.tensor_parallel_size GPUs
+    backend: str = "hf"
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)  # backend=vllm only
+    batch_size: int = 16  # prompts per `generate` call (hf: left-padded) or per vLLM request (a resume point)
     max_new_tokens: int = 256  # reply budget; a prompt + budget beyond the context length is skipped
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling (temperature > 0 only)
@@ -33,6 +39,8 @@ class RegenerateConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.turns not in TURN_MODES:
             raise ValueError(f"turns must be one of {TURN_MODES}, got {self.turns!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1:

@@ -23,7 +23,6 @@ steps the engine until every file of a request is there.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
 )
+from vllm_worker_loop import load_llm, serve  # a sibling: this directory is first on sys.path
 
 CONNECTOR_MODULE = "vllm_extract_worker"  # this file, importable by vLLM from its directory
 MAX_FLUSH_STEPS = 200
@@ -69,18 +69,9 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
 
 def start(config: dict):
     """The LLM, set up to extract the hidden states of `config["layers"]` into `config["out_dir"]`."""
-    from vllm import LLM
-
-    return LLM(
-        model=config["model"],
-        dtype=config["dtype"],
-        max_model_len=config["max_model_len"],
-        tensor_parallel_size=config["tensor_parallel_size"],
-        max_num_seqs=config["max_num_seqs"],
-        gpu_memory_utilization=config["gpu_memory_utilization"],
-        enforce_eager=True,
+    return load_llm(
+        config,
         enable_prefix_caching=False,
-        seed=0,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -121,28 +112,7 @@ def extract(llm, prompts: list[list[int]], timeout_s: float = 600) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: vllm_extract_worker.py REPLY_FD (requests on stdin)", file=sys.stderr)
-        return 2
-    import vllm
-
-    with os.fdopen(int(argv[1]), "w") as reply:
-
-        def send(obj: dict) -> None:
-            reply.write(json.dumps(obj) + "\n")
-            reply.flush()
-
-        llm = start(json.loads(sys.stdin.readline()))
-        send({"ready": True, "vllm_version": vllm.__version__})
-        for line in sys.stdin:
-            request = json.loads(line)
-            if request.get("quit"):
-                break
-            try:
-                send({"files": extract(llm, request["prompts"])})
-            except Exception as err:  # the caller stops the extraction with vLLM's message
-                send({"error": f"{type(err).__name__}: {err}"})
-    return 0
+    return serve(argv, start, lambda llm, request: {"files": extract(llm, request["prompts"])})
 
 
 if __name__ == "__main__":

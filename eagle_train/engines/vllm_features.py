@@ -16,10 +16,8 @@ the next run after a kill) and the worker's log in `out_dir/vllm_extract.log`.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -30,7 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_train.config.extract import VllmExtractConfig
-from eagle_train.engines.vllm_engine import EngineError, engine_python, failure_reason
+from eagle_train.engines.vllm_engine import EngineError
+from eagle_train.engines.vllm_process import WorkerProcess
 from eagle_train.runtime.atomic_files import partial_prefix
 from eagle_train.store.manifest import feature_widths
 
@@ -59,30 +58,14 @@ class VllmFeatures:
         return feature_widths(self.target.hidden_size, self.aux_layers)
 
     def _start(self, max_len: int) -> None:
-        read_fd, write_fd = os.pipe()
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-        env.pop("PYTHONPATH", None)  # nothing of this environment leaks into vLLM's
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if not torch.cuda.is_available():
-            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self._log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            [str(engine_python(self.cfg.python)), str(WORKER), str(write_fd)],
-            stdin=subprocess.PIPE,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            pass_fds=[write_fd],
-            env=env,
-            cwd=self.tmp,
-            text=True,
-        )
-        os.close(write_fd)
-        self._replies = os.fdopen(read_fd)
-        self._send(
+        source = self.target.source
+        self.worker = WorkerProcess(
+            WORKER,
+            self.cfg.python,
+            self.log_path,
+            self.tmp,
             {
-                "model": str(Path(self.target.source).resolve())
-                if Path(self.target.source).exists()
-                else self.target.source,
+                "model": str(Path(source).resolve()) if Path(source).exists() else source,
                 "dtype": self.target.cfg.dtype,
                 "max_model_len": max_len,
                 "layers": self.layers,
@@ -90,41 +73,15 @@ class VllmFeatures:
                 "tensor_parallel_size": self.cfg.tensor_parallel_size,
                 "max_num_seqs": self.cfg.max_num_seqs,
                 "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
-            }
+            },
+            "extract",
         )
-        self.version = self._receive()["vllm_version"]
-
-    def _send(self, obj: dict[str, Any]) -> None:
-        try:
-            self.process.stdin.write(json.dumps(obj) + "\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            raise self._failure() from None
-
-    def _receive(self) -> dict[str, Any]:
-        line = self._replies.readline()  # blocks until the worker answers or exits
-        if not line:
-            raise self._failure()
-        reply = json.loads(line)
-        if "error" in reply:
-            raise EngineError(f"vLLM could not extract: {reply['error']}; log: {self.log_path}")
-        return reply
-
-    def _failure(self) -> EngineError:
-        try:
-            code = self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            code = None
-        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
-        return EngineError(
-            f"vLLM's extraction worker stopped (exit {code}): {failure_reason(text)}; log: {self.log_path}"
-        )
+        self.version = self.worker.version
 
     def states(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """The states vLLM computed for each prompt [L, len(layers), hidden], token ids checked."""
         start = time.perf_counter()
-        self._send({"prompts": prompts})
-        files = self._receive()["files"]
+        files = self.worker.request({"prompts": prompts})["files"]
         out = []
         for ids, file in zip(prompts, files, strict=True):
             saved = load_file(file)
@@ -160,14 +117,5 @@ class VllmFeatures:
 
     def close(self) -> None:
         """Stop the worker and remove its temporary files."""
-        if self.process.poll() is None:
-            try:
-                self._send({"quit": True})
-                self.process.stdin.close()
-                self.process.wait(timeout=120)
-            except (EngineError, subprocess.TimeoutExpired, OSError):
-                self.process.kill()
-                self.process.wait()
-        self._replies.close()
-        self._log.close()
+        self.worker.close()
         shutil.rmtree(self.tmp, ignore_errors=True)

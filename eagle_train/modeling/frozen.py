@@ -13,6 +13,7 @@ model's own. At 70B that is 2 x 2.1 GB read instead of 140 GB.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
 from eagle_train.config.target import TargetConfig
@@ -69,6 +70,15 @@ class FrozenTarget(TargetParts):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @functools.cached_property
+    def generation_config(self) -> GenerationConfig:
+        """The checkpoint's generation_config.json, else the one its config implies (as `from_pretrained`
+        falls back)."""
+        try:
+            return GenerationConfig.from_pretrained(self.source, revision=self.cfg.revision)
+        except OSError:
+            return GenerationConfig.from_model_config(self.config)
 
 
 def weight_files(source: str, revision: str | None = None) -> tuple[dict[str, Shard], str]:

@@ -38,6 +38,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -166,6 +167,8 @@ class TargetParts:
     source: str
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
+    tokenizer: PreTrainedTokenizerBase
+    generation_config: GenerationConfig  # the model's (its eos ids are stop ids)
 
     @property
     def hidden_size(self) -> int:
@@ -186,6 +189,19 @@ class TargetParts:
         `train_max_len`, else `max_len`; never beyond `max_len`. The one home of this rule (extraction,
         online training, regeneration)."""
         return min(requested or self.cfg.train_max_len or self.max_len, self.max_len)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids of the tokenizer and generation config plus the config's extra stop ids."""
+        ids: list[int] = list(self.cfg.stop_token_ids)
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.generation_config, "eos_token_id", None),
+        ):
+            for i in source if isinstance(source, list) else [source]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
 
     @functools.cached_property
     def logit_transform(self) -> LogitTransform:
@@ -263,17 +279,8 @@ class Target(TargetParts):
         return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
 
     @property
-    def stop_token_ids(self) -> list[int]:
-        """EOS ids of the tokenizer and generation config plus the config's extra stop ids."""
-        ids: list[int] = list(self.cfg.stop_token_ids)
-        for source in (
-            self.tokenizer.eos_token_id,
-            getattr(self.model.generation_config, "eos_token_id", None),
-        ):
-            for i in source if isinstance(source, list) else [source]:
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
-        return ids
+    def generation_config(self) -> GenerationConfig:
+        return self.model.generation_config
 
     @torch.no_grad()
     def features(
