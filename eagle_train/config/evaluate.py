@@ -10,6 +10,14 @@ from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
 ENGINES = ("builtin", "vllm")
+# vLLM's training-free methods the serving sweep can run beside a head (engine_baselines), with their settings
+# beyond the draft count (eagle_train.engines.vllm_engine.baseline_speculative_config). ngram matches the last
+# 2 to 5 tokens against the prompt and the answer so far (vLLM's own default, 5 only, finds fewer matches in
+# short chat answers); suffix takes vLLM's defaults.
+ENGINE_BASELINES: dict[str, dict[str, Any]] = {
+    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {},
+}
 
 
 @dataclass
@@ -75,6 +83,10 @@ class EvaluateConfig:
     engine_plain_url: str | None = None
     # extra `vllm serve` flags for the servers the sweep starts (e.g. [--enforce-eager] on a CPU: no compile)
     engine_serve_args: list[str] = field(default_factory=list)
+    # vLLM's own training-free speculation served beside plain and the head in the serving sweep, at the same
+    # levels on the same requests: ngram (prompt lookup; settings: ENGINE_BASELINES above) and
+    # suffix (suffix decoding: vLLM needs the arctic-inference package for it, or refuses to start)
+    engine_baselines: list[str] = field(default_factory=list)
     engine_ready_timeout_s: float = (
         600  # a started server that is not ready by then is an error (its log named)
     )
@@ -133,6 +145,16 @@ class EvaluateConfig:
             raise ValueError(
                 "engine_concurrency compares a server without the head and one with it: set engine_plain_url "
                 "beside engine_url, or neither (the stage then starts both)"
+            )
+        unknown = [b for b in self.engine_baselines if b not in ENGINE_BASELINES]
+        if unknown or len(set(self.engine_baselines)) != len(self.engine_baselines):
+            raise ValueError(
+                f"engine_baselines must be distinct names of {list(ENGINE_BASELINES)}, got {self.engine_baselines}"
+            )
+        if self.engine_baselines and (not levels or self.engine_url):
+            raise ValueError(
+                "engine_baselines are servers the serving sweep starts beside plain and the head: set "
+                "engine_concurrency, and no engine_url"
             )
         if self.engine_num_prompts is not None and self.engine_num_prompts < 1:
             raise ValueError(f"engine_num_prompts must be >= 1 or null, got {self.engine_num_prompts}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_train.config.base import PACKAGE_DIR
+from eagle_train.config.evaluate import ENGINE_BASELINES
 from eagle_train.report.results import add_spec_counts, spec_counts
 from eagle_train.runtime.errors import UserError
 
@@ -156,6 +157,14 @@ def speculative_config(head_dir: str | Path, num_tokens: int) -> dict[str, Any]:
         "num_speculative_tokens": int(num_tokens),
         **({"parallel_drafting": True} if peagle else {}),
     }
+
+
+def baseline_speculative_config(method: str, num_tokens: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` for one of its training-free methods drafting `num_tokens` (suffix: at
+    most that many; vLLM sizes its tree itself)."""
+    if method not in ENGINE_BASELINES:
+        raise ValueError(f"no vLLM baseline {method!r}: one of {sorted(ENGINE_BASELINES)}")
+    return {"method": method, "num_speculative_tokens": int(num_tokens), **ENGINE_BASELINES[method]}
 
 
 def load_warnings(log_text: str) -> list[str]:

@@ -1,10 +1,11 @@
 """What a head is worth under load: vLLM's own serving benchmark at each concurrency level, against a server
-without the head ("plain") and one with it ("head"), on the same requests.
+without the head ("plain") and one with it ("head"), on the same requests; optionally beside servers running
+vLLM's own training-free speculation ("ngram", "suffix": the baselines a head has to beat).
 
 The servers are started here one after the other (`vllm_server`: a free port, the log kept, always
 stopped), or two running servers are used as they are (then the levels interleave: plain, head, plain,
 head, ...). Each (server, level) is one `vllm bench serve` run whose result file vLLM writes to
-`out_dir/{plain,head}-c{N}.json` (its console output beside it, `.log`).
+`out_dir/{server}-c{N}.json` (its console output beside it, `.log`).
 
 The requests are the prompts given, in order, repeated from the start when more are asked for, written as
 the ShareGPT JSON that vLLM's `sharegpt` dataset reads (`--disable-shuffle --no-oversample`: request i is
@@ -21,7 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle_train.config.evaluate import EvaluateConfig
-from eagle_train.engines.vllm_engine import EngineError, engine_python, speculative_config
+from eagle_train.engines.vllm_engine import (
+    EngineError,
+    baseline_speculative_config,
+    engine_python,
+    speculative_config,
+)
 from eagle_train.engines.vllm_server import free_port, run_serving_benchmark, serve_command, vllm_server
 from eagle_train.report.serving_section import HEAD, PLAIN, SERVERS, compare_answers, serving_section
 from eagle_train.runtime.atomic_files import atomic_write_text
@@ -117,18 +123,18 @@ def run_sweep(
     log_dir: Path | None = None,
     ready_timeout_s: float = 600,
 ) -> dict[int, dict[str, dict]]:
-    """Every level on both servers: `urls` (plain, head) of running servers, or `commands` (server name ->
-    port -> `vllm serve` command) started here one at a time, their logs `log_dir/vllm_serve_{name}.log`.
-    Returns concurrency -> {"plain": result, "head": result}."""
+    """Every level on every server: `urls` (plain, head) of running servers, or `commands` (server name ->
+    port -> `vllm serve` command: plain, head, then any baselines) started here one at a time, in that order,
+    their logs `log_dir/vllm_serve_{name}.log`. Returns concurrency -> {server name: result}."""
     results: dict[int, dict[str, dict]] = {c: {} for c in plan.levels}
     if urls:
         for c in plan.levels:
             for name in SERVERS:
                 results[c][name] = bench_level(name, urls[name], c, plan, dataset, out_dir, python)
         return results
-    if commands is None or set(commands) != {PLAIN, HEAD}:
-        raise ValueError("run_sweep needs the two servers' urls or their commands (plain and head)")
-    for name in SERVERS:
+    if commands is None or list(commands)[:2] != list(SERVERS):
+        raise ValueError("run_sweep needs the two servers' urls or their commands (plain and head first)")
+    for name in commands:
         port = free_port()
         log = (log_dir or out_dir) / f"vllm_serve_{name}.log"
         with vllm_server(commands[name](port), port, log, ready_timeout_s) as base_url:
@@ -193,8 +199,14 @@ def text_classifier(
     return classify
 
 
-def serve_commands(cfg: EvaluateConfig, target: Target, spec: dict[str, Any]) -> dict[str, Callable]:
-    """Server name -> port -> the `vllm serve` command of the target, without the head and with `spec`."""
+def serve_commands(
+    cfg: EvaluateConfig,
+    target: Target,
+    spec: dict[str, Any],
+    baselines: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Callable]:
+    """Server name -> port -> the `vllm serve` command of the target: without the head, with `spec`, then with
+    each of `baselines` (name -> vLLM's speculative_config)."""
     python = engine_python(cfg.engine_python)
 
     def command(speculative: dict | None) -> Callable[[int], list[str]]:
@@ -208,7 +220,11 @@ def serve_commands(cfg: EvaluateConfig, target: Target, spec: dict[str, Any]) ->
             extra_args=cfg.engine_serve_args,
         )
 
-    return {PLAIN: command(None), HEAD: command(spec)}
+    return {
+        PLAIN: command(None),
+        HEAD: command(spec),
+        **{name: command(config) for name, config in (baselines or {}).items()},
+    }
 
 
 def serving_sweep(
@@ -237,6 +253,7 @@ def serving_sweep(
         cfg.warmup,
     )
     spec = None if cfg.engine_url else speculative_config(head_dir, cfg.decode.chain_length)
+    baselines = {b: baseline_speculative_config(b, cfg.decode.chain_length) for b in cfg.engine_baselines}
     load_before = os.getloadavg()[0]
     results = run_sweep(
         plan,
@@ -244,12 +261,19 @@ def serving_sweep(
         work,
         python=cfg.engine_python,
         urls={PLAIN: cfg.engine_plain_url, HEAD: cfg.engine_url} if cfg.engine_url else None,
-        commands=None if cfg.engine_url else serve_commands(cfg, target, spec),
+        commands=None if cfg.engine_url else serve_commands(cfg, target, spec, baselines),
         log_dir=out,
         ready_timeout_s=cfg.engine_ready_timeout_s,
     )
     classify = text_classifier(target.tokenizer, classify_ids) if classify_ids else None
-    identity = {c: compare_answers(prompts, pair[PLAIN], pair[HEAD], classify) for c, pair in results.items()}
+    identity = {
+        c: {
+            name: compare_answers(prompts, by_server[PLAIN], by_server[name], classify)
+            for name in by_server
+            if name != PLAIN
+        }
+        for c, by_server in results.items()
+    }
     setup = {
         "servers": (
             f"running: plain {cfg.engine_plain_url}, head {cfg.engine_url} (levels interleaved)"
@@ -257,11 +281,21 @@ def serving_sweep(
             else "started here one after the other (logs: vllm_serve_plain.log, vllm_serve_head.log), "
             f"head: {json.dumps(spec)}, extra flags: {cfg.engine_serve_args or 'none'}"
         ),
+        **(
+            {
+                "vLLM's own speculation beside the head": "; ".join(
+                    f"{b}: {json.dumps(c)}" for b, c in baselines.items()
+                )
+            }
+            if baselines
+            else {}
+        ),
         "requests per level": f"{count}: the {len(texts)} first-turn prompts of the evaluation in order"
         + (", repeated" if count > len(texts) else ""),
         "answers": f"greedy, at most {plan.max_tokens} tokens, stop tokens {plan.stop_token_ids}",
         "warm-up": f"{plan.warmup} x concurrency requests before each run (untimed)",
-        "vLLM's result files": "serving/{plain,head}-c{N}.json (their console output: .log)",
+        "vLLM's result files": f"serving/{{{','.join([*SERVERS, *baselines])}}}-c{{N}}.json (their console "
+        "output: .log)",
         "load average (1 min) before / after": f"{load_before:.2f} / {os.getloadavg()[0]:.2f}",
     }
     section = serving_section(results, identity, setup, out, cfg.plots)

@@ -14,7 +14,9 @@ every figure here is read from those files as vLLM computed it, never recomputed
 
 speedup = the head's output_throughput / plain's, at the same concurrency in the same evaluation. Greedy
 answers of the two servers are compared request by request (`compare_answers`): vLLM's benchmark keeps the
-answers' text, not their token ids, so a differing pair is classified on the re-tokenized text.
+answers' text, not their token ids, so a differing pair is classified on the re-tokenized text. Servers with
+vLLM's own training-free speculation (the baselines: ngram, suffix), when the sweep ran them, are read and
+compared with plain the same way, in a second table: what the head is worth against what costs no training.
 """
 
 from __future__ import annotations
@@ -90,19 +92,36 @@ def compare_answers(
     }
 
 
+def _speedup(result: dict, plain: dict) -> float | None:
+    base, spec = plain.get("output_throughput"), result.get("output_throughput")
+    return spec / base if spec and base else None
+
+
 def serving_row(
-    concurrency: int, results: dict[str, dict], identity: dict[str, Any] | None
+    concurrency: int, results: dict[str, dict], identity: dict[str, dict] | None
 ) -> dict[str, Any]:
-    """One concurrency level: each server's figures as vLLM wrote them, the head's acceptance, the speedup."""
+    """One concurrency level: each server's figures as vLLM wrote them, the head's acceptance, the speedup;
+    each baseline server's figures, acceptance, speedup over plain and identity with plain under
+    "baselines". `identity`: server name -> `compare_answers` with plain."""
     plain, head = results[PLAIN], results[HEAD]
-    base, spec = plain.get("output_throughput"), head.get("output_throughput")
+    identity = identity or {}
     return {
         "concurrency": concurrency,
         "requests": (head.get("completed") or 0) + (head.get("failed") or 0),
         **{name: {k: results[name].get(k) for k in FIELDS} for name in SERVERS},
         **{k.removeprefix("spec_decode_"): head.get(k) for k in SPEC_FIELDS},
-        "speedup": spec / base if spec and base else None,
-        "identity": identity,
+        "speedup": _speedup(head, plain),
+        "identity": identity.get(HEAD),
+        "baselines": {
+            name: {
+                **{k: result.get(k) for k in FIELDS},
+                **{k.removeprefix("spec_decode_"): result.get(k) for k in SPEC_FIELDS},
+                "speedup": _speedup(result, plain),
+                "identity": identity.get(name),
+            }
+            for name, result in results.items()
+            if name not in SERVERS
+        },
     }
 
 
@@ -122,8 +141,42 @@ def _identity_cell(identity: dict | None) -> str:
     return cell + (f" ({', '.join(extra)})" if extra else "")
 
 
+def _acceptance_cell(row: dict) -> str:
+    rate = row["acceptance_rate"]
+    return _fmt(row["acceptance_length"], ".3f") + (f" ({rate:.1f}%)" if rate is not None else "")
+
+
+def baselines_markdown(rows: list[dict]) -> list[str]:
+    """The second table: the head beside vLLM's own training-free speculation, level by level."""
+    names = list(rows[0]["baselines"]) if rows else []
+    if not names:
+        return []
+    lines = [
+        "",
+        f"The head beside vLLM's own training-free speculation ({', '.join(names)}), same requests, same levels:",
+        "",
+        "| concurrency | server | output tok/s | speedup over plain | TPOT mean ms | acceptance length (rate) "
+        "| greedy identical to plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        servers = {HEAD: {**row[HEAD], **row}, **row["baselines"]}
+        for name, server in servers.items():
+            cells = [
+                str(row["concurrency"]),
+                name,
+                _fmt(server["output_throughput"], ".1f"),
+                _fmt(server["speedup"]) + ("x" if server["speedup"] else ""),
+                _fmt(server["mean_tpot_ms"], ".2f"),
+                _acceptance_cell(server),
+                _identity_cell(server["identity"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def serving_markdown(rows: list[dict], setup: dict[str, Any]) -> str:
-    """The table: one line per concurrency, plain / head side by side."""
+    """The table: one line per concurrency, plain / head side by side; then the baselines' table if any."""
     lines = [
         "## Serving under load (vLLM's serving benchmark, `vllm bench serve`)",
         "",
@@ -134,8 +187,7 @@ def serving_markdown(rows: list[dict], setup: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        rate = row["acceptance_rate"]
-        accept = _fmt(row["acceptance_length"], ".3f") + (f" ({rate:.1f}%)" if rate is not None else "")
+        accept = _acceptance_cell(row)
         cells = [
             str(row["concurrency"]),
             str(row["requests"]),
@@ -158,6 +210,7 @@ def serving_markdown(rows: list[dict], setup: dict[str, Any]) -> str:
         "(text), a differing pair placed at its first differing token of the re-tokenized text "
         "(near-tie or real divergence, as the greedy-identity contract counts them). How to read the curve: "
         "docs/serving-under-load.md.",
+        *baselines_markdown(rows),
     ]
     return "\n".join(lines)
 
@@ -188,6 +241,22 @@ def serving_sanity(rows: list[dict]) -> list[str]:
                 "answers with the head differ from those without it beyond a near-tie: the engine is not "
                 "lossless with this head at this load"
             )
+        for name, baseline in row["baselines"].items():
+            if (
+                baseline["speedup"] is not None
+                and row["speedup"] is not None
+                and baseline["speedup"] > row["speedup"]
+            ):
+                notes.append(
+                    f"{level}: vLLM's own {name} ({baseline['speedup']:.2f}x) is faster than the head "
+                    f"({row['speedup']:.2f}x), with no training"
+                )
+            found = baseline["identity"] or {}
+            if found.get("divergence") or found.get("unclassified"):
+                notes.append(
+                    f"{level}: {found['divergence'] + found['unclassified']} of {found['compared']} greedy answers "
+                    f"with vLLM's {name} differ from plain beyond a near-tie"
+                )
     return notes
 
 
@@ -202,6 +271,9 @@ def plot_speedup_by_concurrency(rows: list[dict], out: Path) -> Path:
     levels = [r["concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     left.plot(levels, [r["speedup"] or float("nan") for r in rows], marker="o", label="with the head")
+    for name in rows[0]["baselines"]:
+        speedups = [r["baselines"][name]["speedup"] or float("nan") for r in rows]
+        left.plot(levels, speedups, marker="s", linestyle=":", label=f"vLLM {name}")
     left.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="break-even (1.0)")
     left.set(title="speedup under load", xlabel="concurrency (requests in flight)", ylabel="speedup")
     for name, style in ((PLAIN, "--"), (HEAD, "-")):
@@ -212,6 +284,9 @@ def plot_speedup_by_concurrency(rows: list[dict], out: Path) -> Path:
             linestyle=style,
             label=name,
         )
+    for name in rows[0]["baselines"]:
+        throughput = [r["baselines"][name]["output_throughput"] or float("nan") for r in rows]
+        right.plot(levels, throughput, marker="s", linestyle=":", label=f"vLLM {name}")
     right.set(title="output tokens/s", xlabel="concurrency (requests in flight)", ylabel="tokens/s")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
@@ -229,9 +304,9 @@ def serving_section(
     out: Path,
     plots: bool = True,
 ) -> dict[str, Any]:
-    """What `report.write_report(serving=...)` adds: rows, the Markdown table, sanity notes, the plot.
-    `results`: concurrency -> {"plain": vLLM's result, "head": vLLM's result}; `identity`: concurrency ->
-    `compare_answers`."""
+    """What `report.write_report(serving=...)` adds: rows, the Markdown tables, sanity notes, the plot.
+    `results`: concurrency -> {"plain": vLLM's result, "head": vLLM's result, baseline name: its result};
+    `identity`: concurrency -> {server name: `compare_answers` with plain}."""
     rows = [serving_row(c, results[c], identity.get(c)) for c in sorted(results)]
     return {
         "rows": rows,

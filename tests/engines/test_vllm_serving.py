@@ -36,6 +36,7 @@ def sweep(engine_eval_config):
         engine_concurrency=LEVELS,
         engine_num_prompts=REQUESTS,
         engine_serve_args=["--enforce-eager"],  # no inductor compile on this CPU
+        engine_baselines=["ngram"],  # vLLM's own prompt lookup beside the head
     )
     start = time.perf_counter()
     report = evaluate(cfg)
@@ -61,6 +62,13 @@ def test_every_figure_is_vllms_own(sweep):
             assert row[field.removeprefix("spec_decode_")] == files[HEAD][field]
             assert field not in files[PLAIN]
         assert row["acceptance_length"] > 1 and len(row["per_position_acceptance_rates"]) == 3
+        ngram = read_json(out / "serving" / f"ngram-c{c}.json")
+        assert ngram["completed"] == REQUESTS and ngram["label"] == "ngram"
+        baseline = row["baselines"]["ngram"]
+        assert {field: baseline[field] for field in FIELDS} == {field: ngram[field] for field in FIELDS}
+        assert baseline["speedup"] == ngram["output_throughput"] / files[PLAIN]["output_throughput"]
+        assert baseline["num_drafts"] == ngram.get("spec_decode_num_drafts")
+        assert baseline["identity"]["divergence"] == baseline["identity"]["unclassified"] == 0
     record_message(
         "serving sweep (engine test)",
         f"{seconds:.0f} s; "
@@ -94,6 +102,7 @@ def test_greedy_answers_agree_and_the_report_shows_the_table(sweep):
     text = (out / "report.md").read_text()
     assert "## Serving under load" in text and "| concurrency | requests | output tok/s plain |" in text
     assert re.search(r"\| 4 \| 8 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", text)
+    assert "| 1 | ngram |" in text and "vLLM's own speculation beside the head" in text
     assert "![serving_speedup](serving_speedup.png)" in text and (out / "serving_speedup.png").is_file()
     requests = json.loads((out / "serving" / "requests.json").read_text())
     assert len(requests) == REQUESTS and requests[0] == {**requests[QUESTIONS], "id": "0"}
@@ -101,11 +110,12 @@ def test_greedy_answers_agree_and_the_report_shows_the_table(sweep):
 
 def test_the_servers_were_stopped_and_their_logs_kept(sweep):
     _, out, _ = sweep
-    for name in SERVERS:
+    for name in (*SERVERS, "ngram"):
         log = out / f"vllm_serve_{name}.log"
         first = log.read_text().splitlines()[0]
         port = re.search(r"--port (\d+)", first).group(1)
-        assert ("--speculative-config" in first) == (name == HEAD)
+        assert ("--speculative-config" in first) == (name != PLAIN)
+        assert ('"method": "ngram"' in first) == (name == "ngram")
         assert not is_healthy(f"http://127.0.0.1:{port}", timeout_s=2), f"{name} server still answers"
 
 

@@ -293,11 +293,22 @@ def test_compare_answers_counts_as_the_identity_contract():
 def test_the_serving_section(tmp_path):
     texts = ["a", "b", "c", "d"]
     results = {
-        1: {PLAIN: vllm_result(100.0, texts), HEAD: vllm_result(180.0, texts, spec=True)},
-        16: {PLAIN: vllm_result(900.0, texts), HEAD: vllm_result(720.0, texts, spec=True, failed=1)},
+        1: {
+            PLAIN: vllm_result(100.0, texts),
+            HEAD: vllm_result(180.0, texts, spec=True),
+            "ngram": vllm_result(120.0, texts, spec=True),
+        },
+        16: {
+            PLAIN: vllm_result(900.0, texts),
+            HEAD: vllm_result(720.0, texts, spec=True, failed=1),
+            "ngram": vllm_result(990.0, ["a", "b", "c", "z"], spec=True),
+        },
     }
-    identity = {1: compare_answers(texts, results[1][PLAIN], results[1][HEAD])}
-    identity[16] = {**identity[1], "identical": 3, "divergence": 1}
+    identity = {
+        c: {name: compare_answers(texts, by[PLAIN], by[name]) for name in (HEAD, "ngram")}
+        for c, by in results.items()
+    }
+    identity[16][HEAD] = {**identity[1][HEAD], "identical": 3, "divergence": 1}
     section = serving_section(results, identity, {"servers": "started here"}, tmp_path)
     one, sixteen = section["rows"]
     assert one["speedup"] == pytest.approx(1.8) and sixteen["speedup"] == pytest.approx(0.8)
@@ -315,6 +326,18 @@ def test_the_serving_section(tmp_path):
     )
     assert "- servers: started here" in section["markdown"]
     assert section["plots"] == [tmp_path / "serving_speedup.png"] and section["plots"][0].is_file()
+    # vLLM's own ngram beside the head: its figures, its speedup over plain, its answers against plain's
+    ngram = sixteen["baselines"]["ngram"]
+    assert ngram["speedup"] == pytest.approx(1.1) and ngram["output_throughput"] == 990.0
+    assert ngram["identity"]["identical"] == 3 and ngram["identity"]["unclassified"] == 1
+    assert one["baselines"]["ngram"]["identity"]["identical"] == 4
+    assert (
+        "| 1 | ngram | 120.0 | 1.20x |" in section["markdown"]
+        and "| 16 | head | 720.0 | 0.80x |" in section["markdown"]
+    )
+    assert any("concurrency 16: vLLM's own ngram (1.10x) is faster than the head (0.80x)" in n for n in notes)
+    assert any("concurrency 16: 1 of 4 greedy answers with vLLM's ngram differ" in n for n in notes)
+    assert not any("concurrency 1: vLLM's own" in n for n in notes)
 
 
 def cfg(**kw) -> EvaluateConfig:
@@ -325,6 +348,10 @@ def cfg(**kw) -> EvaluateConfig:
 
 def test_the_sweep_keys():
     assert cfg(engine_concurrency=[16, 1, 4]).engine_concurrency == [1, 4, 16]
+    assert cfg(engine_concurrency=[1], engine_baselines=["ngram", "suffix"]).engine_baselines == [
+        "ngram",
+        "suffix",
+    ]
     assert cfg(engine_url="http://h", engine_plain_url="http://p", engine_concurrency=[1]).engine_plain_url
     assert cfg(engine_url="http://h").engine_concurrency == []  # the one-request check, as before
     for bad, message in (
@@ -333,6 +360,18 @@ def test_the_sweep_keys():
         (dict(engine_url="http://h", engine_concurrency=[1]), "set engine_plain_url beside engine_url"),
         (dict(engine_plain_url="http://p"), "needs engine_url"),
         (dict(engine_concurrency=[1], engine_num_prompts=0), "engine_num_prompts must be >= 1"),
+        (dict(engine_concurrency=[1], engine_baselines=["medusa"]), "distinct names of"),
+        (dict(engine_concurrency=[1], engine_baselines=["ngram", "ngram"]), "distinct names of"),
+        (dict(engine_baselines=["ngram"]), "set engine_concurrency"),
+        (
+            dict(
+                engine_url="http://h",
+                engine_plain_url="http://p",
+                engine_concurrency=[1],
+                engine_baselines=["ngram"],
+            ),
+            "no engine_url",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             cfg(**bad)
