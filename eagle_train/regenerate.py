@@ -344,13 +344,16 @@ def regenerate(cfg: RegenerateConfig, out: Path, accelerator: Accelerator) -> di
     wanted = settings(cfg, data_file)
     clear = check_output(out, data_file, wanted, cfg.overwrite)  # every rank: the same verdict
     accelerator.wait_for_everyone()
+    earlier: list[dict] = []  # the counts of the runs that wrote this output before (kept in the stats)
     if accelerator.is_main_process:
         out.parent.mkdir(parents=True, exist_ok=True)
         for name in (out.name, stats_path(out).name):  # what killed writes of this output left
             remove_partial_files(out.parent, name)
         if clear:
             clear_output(out)
-        atomic_write_json(stats_path(out), {"settings": wanted, "complete": False})
+        elif stats_path(out).is_file():
+            earlier = earlier_runs(read_json(stats_path(out), "regenerate settings"))
+        atomic_write_json(stats_path(out), {"settings": wanted, "complete": False, "runs": earlier})
     accelerator.wait_for_everyone()
     ids, order = dataset["id"], {i: n for n, i in enumerate(dataset["id"])}
     done = {r["id"] for source in [out, *part_files(out)] for r in read_records(source)}
@@ -410,11 +413,36 @@ def regenerate(cfg: RegenerateConfig, out: Path, accelerator: Accelerator) -> di
             bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - start):.0f}")
     bar.close()
     stats["seconds"] = round(time.perf_counter() - start, 3)
-    return finish(accelerator, out, order, stats, wanted)
+    return finish(accelerator, out, order, stats, wanted, earlier)
 
 
-def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Counter, wanted: dict) -> dict:
-    """Gather every rank's counts; the main process merges the parts and writes the stats file."""
+RUN_COUNTS = ("written", "tokens", "seconds", "tokens_per_s", "processes")  # one run's figures in `runs`
+
+
+def earlier_runs(recorded: dict) -> list[dict]:
+    """The runs a stats file records (`runs`: every run that wrote this output, its own last; a file written
+    before `runs` existed: its own counts if it finished a run that wrote something). A later run, even one
+    that finds nothing left to do, keeps them; a killed run never wrote any."""
+    if "runs" in recorded:
+        return list(recorded["runs"])
+    return (
+        [{k: recorded.get(k) for k in RUN_COUNTS}]
+        if recorded.get("complete") and recorded.get("written")
+        else []
+    )
+
+
+def finish(
+    accelerator: Accelerator,
+    out: Path,
+    order: dict[str, int],
+    stats: Counter,
+    wanted: dict,
+    earlier: list[dict] | None = None,
+) -> dict:
+    """Gather every rank's counts; the main process merges the parts and writes the stats file: this run's
+    counts, and under `runs` every run that wrote this output (the earlier ones', then this one's if it
+    wrote something)."""
     everyone = gather_object([dict(stats)])
     accelerator.wait_for_everyone()
     total: dict = dict(everyone[0])
@@ -428,7 +456,9 @@ def finish(accelerator: Accelerator, out: Path, order: dict[str, int], stats: Co
     )
     if accelerator.is_main_process:
         total["records"] = merge(out, order)
-        atomic_write_json(stats_path(out), {**total, "settings": wanted, "complete": True})
+        this_run = [{k: total.get(k) for k in RUN_COUNTS}] if total.get("written") else []
+        runs = [*(earlier or []), *this_run]
+        atomic_write_json(stats_path(out), {**total, "settings": wanted, "complete": True, "runs": runs})
         log.info("regenerate: %s -> %s: %s", len(order), out, total)
     accelerator.wait_for_everyone()
     return total

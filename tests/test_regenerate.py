@@ -83,6 +83,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(target_cfg, tmp_path, monk
         make_cfg(target_cfg, tmp_path / "prompts.jsonl", tmp_path / "b.jsonl")
     )  # nothing left to do
     assert again["written"] == 0 and (tmp_path / "b.jsonl").read_text() == reference
+    # the run that wrote the replies keeps its figures in the stats after a run that had nothing to do
+    runs = json.loads((tmp_path / "b.jsonl.stats.json").read_text())["runs"]
+    assert [(r["written"], r["tokens"]) for r in runs] == [(26, resumed["tokens"])] and resumed["tokens"] > 0
 
 
 def test_batched_greedy_equals_one_at_a_time(target, tmp_path):
