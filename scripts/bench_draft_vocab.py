@@ -14,7 +14,6 @@ target's full vocabulary. Writes bench_results/draft_vocab.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle_train.modeling.draft_vocab import count_assistant_tokens, top_tokens
+from eagle_train.runtime.atomic_files import atomic_write_json
 from eagle_train.store.reader import FeatureStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,8 +51,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     store = FeatureStore(args.features)
-    meta = json.loads((Path(args.features) / "manifest.json").read_text())
-    vocab, hidden = int(meta["target"]["vocab_size"]), int(meta["target"]["hidden_size"])
+    target = store.manifest["target"]
+    vocab, hidden = int(target["vocab_size"]), int(target["hidden_size"])
     cut = int(len(store) * args.fit)
     if not 0 < cut < len(store):
         raise SystemExit(f"--fit {args.fit} leaves no conversation on one side of {len(store)}")
@@ -84,8 +84,8 @@ def main() -> None:
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"args": vars(args), "vocab": vocab, "hidden": hidden, "rows": rows}, indent=2) + "\n"
+    atomic_write_json(
+        out, {"args": vars(args), "vocab": vocab, "hidden": hidden, "rows": rows}, sort_keys=False
     )
     print(f"wrote {out}")
 

@@ -92,6 +92,11 @@ def compare_answers(
     }
 
 
+def _spec_counters(result: dict) -> dict[str, Any]:
+    """A server's spec-decode counters, named without vLLM's `spec_decode_` prefix (absent: None)."""
+    return {k.removeprefix("spec_decode_"): result.get(k) for k in SPEC_FIELDS}
+
+
 def _speedup(result: dict, plain: dict) -> float | None:
     base, spec = plain.get("output_throughput"), result.get("output_throughput")
     return spec / base if spec and base else None
@@ -109,13 +114,13 @@ def serving_row(
         "concurrency": concurrency,
         "requests": (head.get("completed") or 0) + (head.get("failed") or 0),
         **{name: {k: results[name].get(k) for k in FIELDS} for name in SERVERS},
-        **{k.removeprefix("spec_decode_"): head.get(k) for k in SPEC_FIELDS},
+        **_spec_counters(head),
         "speedup": _speedup(head, plain),
         "identity": identity.get(HEAD),
         "baselines": {
             name: {
                 **{k: result.get(k) for k in FIELDS},
-                **{k.removeprefix("spec_decode_"): result.get(k) for k in SPEC_FIELDS},
+                **_spec_counters(result),
                 "speedup": _speedup(result, plain),
                 "identity": identity.get(name),
             }
