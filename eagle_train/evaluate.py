@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eagle_train.autotune.budget import Budget
 from eagle_train.autotune.costs import choose_threads
 from eagle_train.autotune.shapes import tune_shapes
 from eagle_train.cli import stage_lock, stage_main
@@ -128,6 +129,8 @@ def tune_bench(
         lean=cfg.decode.lean_draft,
         static_base=base,
         race=cfg.tune_race if "eagle2" in auto else 0,  # the race settles EAGLE-2's shape only
+        budget=Budget(cfg.tune_share, eval_tokens(bench, cfg, target)),
+        decisive=cfg.tune_decisive,
     )
     chosen = choice.eagle2
     curve = [
@@ -146,6 +149,14 @@ def tune_bench(
         "curve": curve,
         "info": info,
     }
+
+
+def eval_tokens(bench: str, cfg: EvaluateConfig, target: Target) -> int:
+    """Tokens the evaluation of `bench` decodes at most: its answers (every evaluated turn, the warm-up
+    questions' first turns) x methods x max_new_tokens (the tuning budget's measure, autotune.budget)."""
+    questions = load_questions(bench, cfg.num_questions, cfg.max_turns)
+    answers = sum(len(q.turns) for q in questions) + min(cfg.warmup, len(questions))
+    return answers * len(evaluated_methods(cfg, target)) * cfg.decode.max_new_tokens
 
 
 def fit_prompt(ids: list[int], limit: int) -> tuple[list[int], int]:
@@ -478,7 +489,10 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     for bench in cfg.bench:
         tuned = tune_bench(bench, cfg, target, head, renderer, prompt_limit)
         decoders = make_decoders(cfg, target, head, tuned["methods"] if tuned else None)
+        bench_start = time.perf_counter()
         bench_records = evaluate_bench(bench, cfg, decoders, renderer, prompt_limit, classify)
+        if tuned:  # what the tuning cost against the evaluation it served, measured
+            tuned["info"]["budget"]["eval_s"] = time.perf_counter() - bench_start
         if cfg.check_model and cfg.decode.temperature == 0:
             check_model_identity(bench_records, target, cfg.near_tie_ulps)
         records += bench_records

@@ -99,7 +99,8 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path, monkeypatch):
         f"out_dir={tmp_path}",
         "progress=false",
     ]
-    base = to_schema(compose("evaluate", overrides=overrides), EvaluateConfig)
+    # unbounded first (one question of 16 tokens leaves the default 10% budget no room for a race)
+    base = to_schema(compose("evaluate", overrides=[*overrides, "tune_share=null"]), EvaluateConfig)
     assert base.decode.auto_methods == ("chain", "eagle2", "eagle1") and base.num_threads is None
     report = run(base)
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
@@ -120,12 +121,20 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path, monkeypatch):
         assert "timed side by side on the calibration prompts" in report_md
     else:  # this small head's tau is about 1 on a busy machine: no race, the report says so in one line
         assert race == [] and f"**tinystories: {verdict}.**" in report_md
-    # a rerun with EAGLE-2's shape fixed: the cost curves reused, the chain still chosen, no race
+    assert "unbounded (tune_share=null)" in report_md and tuning["info"]["budget"]["eval_s"] > 0
+    # a rerun with EAGLE-2's shape fixed and the default budget (10% of the evaluation): the cost curves
+    # reused, the chain still chosen, no race, the tuning's cost against the evaluation's in the report
     fixed = to_schema(compose("evaluate", overrides=[*overrides, "decode.depth=2"]), EvaluateConfig)
+    assert fixed.tune_share == 0.1
     again = run(fixed)["shapes"]["tuning"]["tinystories"]
     assert again["info"]["costs_reused"] and set(again["methods"]) == {"chain", "eagle1"}
     assert again["info"]["costs_file"].startswith(str(tmp_path / "cache" / "costs"))
     assert again["choice"]["race"] == []
+    budget = again["info"]["budget"]
+    assert budget["budget_s"] == pytest.approx(0.1 * budget["eval_tokens"] * budget["token_s"])
+    spent = again["info"]["calibration_s"] + again["info"]["phases_s"] + again["info"]["race_s"]
+    share = f"{spent / budget['eval_s']:.0%} of this benchmark's evaluation"
+    assert share in (tmp_path / "report.md").read_text()
 
 
 def bf16_eval(target_cfg, head_dir, out, methods, num_questions) -> dict:
@@ -149,11 +158,13 @@ def bf16_eval(target_cfg, head_dir, out, methods, num_questions) -> dict:
 
 @pytest.mark.slow
 def test_bf16_answers_part_from_ar_only_at_near_ties(target_cfg, head_dir, tmp_path):
-    """In bf16 (here on the CPU) most greedy answers part from plain decoding at a near-tie; the report
-    counts them apart from real divergences and does not call the decoder lossy for them."""
+    """In bf16 (here on the CPU) greedy answers may part from plain decoding at a near-tie (on an AVX-512
+    CPU most of these do; on an AVX2 one, whose bf16 products round otherwise, none may); the report counts
+    them apart from real divergences and does not call the decoder lossy for them."""
     report = bf16_eval(target_cfg, head_dir, tmp_path, ["ar", "eagle2"], num_questions=3)
     rows = [r for r in report["results"] if r["method"] != "ar"]
-    assert sum(r["near_ties"] for r in rows) > 0 and all(r["divergences"] == 0 for r in rows)
+    assert all(r["divergences"] == 0 for r in rows)
+    assert all(r["near_ties"] + r["identical"] == r["answers"] for r in rows)
     assert not any("not lossless" in n for n in report["sanity"])
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     ar = {a["question_id"]: a["tokens"] for a in answers if a["method"] == "ar"}
@@ -165,7 +176,8 @@ def test_bf16_answers_part_from_ar_only_at_near_ties(target_cfg, head_dir, tmp_p
             assert d["tokens"] == [ar[a["question_id"]][d["index"]], a["tokens"][d["index"]]]
     md = (tmp_path / "report.md").read_text()
     assert "tinystories/eagle2: greedy identity:" in md and "0 real divergence" in md
-    assert "near-tie: the first differing token" in md
+    if any(r["near_ties"] for r in rows):
+        assert "near-tie: the first differing token" in md
 
 
 @pytest.mark.slow

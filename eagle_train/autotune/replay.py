@@ -16,10 +16,12 @@ choice.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from eagle_train.autotune.budget import MIN_ROOTS, Budget
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder, head_reads, parallel_slots
 from eagle_train.decoding.drafter import Drafter
@@ -52,14 +54,25 @@ def auto_tree_paths(base: list[list[int]], max_depth: int) -> list[list[int]]:
 
 
 def greedy_sequences(
-    target, prompts: list[list[int]], max_new_tokens: int, lookahead: int = 0
+    target, prompts: list[list[int]], max_new_tokens: int, lookahead: int = 0, budget: Budget | None = None
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt, the target's greedy continuation) of each prompt, decoded plainly: max_new_tokens tokens
-    plus `lookahead` more (what the decoder's last round may accept beyond its limit), unless it stops."""
+    plus `lookahead` more (what the decoder's last round may accept beyond its limit), unless it stops.
+    `budget`: fixed from the first prompt's seconds per token; the later prompts are decoded while its
+    share for the sequences lasts."""
     decoder = SpeculativeDecoder(
         target, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens + lookahead)
     )
-    return [(list(p), decoder.generate(p).tokens) for p in prompts]
+    sequences = []
+    for i, prompt in enumerate(prompts):
+        if budget is not None and i and budget.past("sequences"):
+            break
+        result = decoder.generate(prompt)
+        if budget is not None and i == 0:
+            stats = result.stats
+            budget.fix((stats.time_total - stats.time_prefill) / max(stats.new_tokens - 1, 1))
+        sequences.append((list(prompt), result.tokens))
+    return sequences
 
 
 def _parents(cands: Candidates) -> torch.Tensor:
@@ -116,12 +129,16 @@ def calibrate(
     max_nodes: int = 80,
     lean: bool = True,
     static_paths: list[list[int]] | None = None,
+    deadline: float | None = None,
 ) -> Calibration:
     """Draft every top_k's deepest tree at every root position of each (prompt, greedy continuation) with
     the real head, and tabulate the accepted drafts of every (depth, total_tokens) cut (module docstring).
     Rounds are replayed while fewer than `max_new_tokens` tokens are out (the decoder's limit; None: the
     whole continuation); tokens beyond it only tell what the last round accepts. `static_paths`: a static
-    tree drafted at every position too, its nodes' acceptance kept (decode.tree=auto)."""
+    tree drafted at every position too, its nodes' acceptance kept (decode.tree=auto). `deadline` (a
+    perf_counter time): each sequence gets an equal slice of the time left and stops its root positions at
+    its slice's end (a sequence's positions stay one span from its start); the first sequence calibrates
+    at least MIN_ROOTS positions, a later one none once the deadline has passed."""
     device = target.device
     aux, vocab_map = head_reads(head, device)
     capacity = max(len(p) + len(c) for p, c in sequences)
@@ -136,10 +153,15 @@ def calibrate(
     plan = plan_static(static, device) if static else None
     static_match: list[torch.Tensor] = []
     spans, start = [], 0
+    began = time.perf_counter()
     with torch.inference_mode():
-        for prompt, continuation in sequences:
+        for j, (prompt, continuation) in enumerate(sequences):
             if len(continuation) < 2 or max_new_tokens == 1:
                 continue
+            slice_end = None if deadline is None else began + (deadline - began) * (j + 1) / len(sequences)
+            floor = MIN_ROOTS if not spans else 0
+            if slice_end is not None and floor == 0 and time.perf_counter() > deadline:
+                break
             seq = torch.tensor(prompt + continuation, device=device)
             n, p = seq.numel(), len(prompt)
             cache = target.new_cache(n)
@@ -152,6 +174,9 @@ def calibrate(
             root_logp = drafter.catch_up(seq[1 : p + 1], features[:p])  # the root: continuation[0]
             roots = min(len(continuation), max_new_tokens or len(continuation)) - 1
             for i in range(roots):  # root = seq[p + i]; the tree guesses seq[p + i + 1:]
+                if slice_end is not None and i >= max(floor, 1) and time.perf_counter() > slice_end:
+                    roots = i
+                    break
                 after = seq[p + i + 1 : p + i + 2 + max_depth]
                 for k in tables:
                     drafter.drop_tree()

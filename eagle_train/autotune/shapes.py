@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eagle_train.autotune.budget import Budget, race_plan
 from eagle_train.autotune.costs import CostCurves, cache_path, cached_costs, cost_key, measure_costs
 from eagle_train.autotune.replay import Calibration, auto_tree_paths, calibrate, greedy_sequences, replay_tau
 from eagle_train.config.decode import DecodeConfig
@@ -137,12 +138,20 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def measure_phases(
-    target, head, sequences, costs: CostCurves, max_new_tokens: int, probes=PROBE_SHAPES, lean: bool = True
+    target,
+    head,
+    sequences,
+    costs: CostCurves,
+    max_new_tokens: int,
+    probes=PROBE_SHAPES,
+    lean: bool = True,
+    deadline: float | None = None,
 ) -> RoundModel:
     """Decode the calibration prompts with the real decoder (ar, and EAGLE-2 with each probe shape,
     interleaved per prompt) and fit each phase per round against the curves (`fit_line`): the draft
     phase's seconds against the curves' expansion + catch-up of the same rounds, the verify phase's
-    against verify(tree size); other_s = the rest of a round; ar_token_s = ar's seconds per token."""
+    against verify(tree size); other_s = the rest of a round; ar_token_s = ar's seconds per token.
+    `deadline` (a perf_counter time): no prompt after the first is started past it."""
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens))
     grid = (len(costs.expand_s), len(costs.expand_s[0]), costs.max_nodes)
     probes = sorted({tuple(min(x, top) for x, top in zip(p, grid, strict=True)) for p in probes})
@@ -150,7 +159,9 @@ def measure_phases(
     keys = ("draft", "verify", "other", "draft_curve", "verify_curve", "rounds")
     sums = [dict.fromkeys(keys, 0.0) for _ in decoders]  # per probe
     ar_time, ar_tokens = 0.0, 0
-    for prompt, _ in sequences:
+    for i, (prompt, _) in enumerate(sequences):
+        if deadline is not None and i and time.perf_counter() > deadline:
+            break
         stats = ar.generate(prompt).stats
         ar_time += stats.time_total - stats.time_prefill
         ar_tokens += max(stats.new_tokens - 1, 0)  # the first token comes from the prefill
@@ -330,45 +341,90 @@ def tune_shapes(
     static_base: list[list[int]] | None = None,
     race: int = 4,
     race_repeats: int = 3,
+    budget: Budget | None = None,
+    decisive: float | None = None,
 ) -> tuple[ShapeChoice, CostCurves, dict[str, Any]]:
     """Calibrate on `prompts` (decoded greedily here), measure (or reuse from `cache_dir`) the cost
     curves at their context length, and choose (the static tree too when `static_base` is given: its
     candidates are `auto_tree_paths(static_base)`); then, when `race` > 1, time the best predicted shape of
     the `race` fastest (depth, top_k) pairs on the same prompts (`race_shapes`) and keep the fastest
-    measured as the EAGLE-2 choice, unless no shape is predicted to pay (`no_shape_pays`). Returns (choice, costs, what it took)."""
+    measured as the EAGLE-2 choice, unless no shape is predicted to pay (`no_shape_pays`), the fastest
+    predicted pair beats the next by the factor `decisive` or more, or the race does not fit what is left
+    of `budget` (autotune.budget: every part but the cost curves within its share of the evaluation).
+    Returns (choice, costs, what it took)."""
+    budget = budget or Budget(None)
     start = time.perf_counter()
-    sequences = greedy_sequences(target, prompts, max_new_tokens, lookahead=max_depth + 1)
+    sequences = greedy_sequences(target, prompts, max_new_tokens, lookahead=max_depth + 1, budget=budget)
+    sequences_s = time.perf_counter() - start
     static = auto_tree_paths(static_base, max_depth) if static_base is not None else None
     calibration = calibrate(
-        target, head, sequences, max_new_tokens, max_depth, max_k, max_nodes, lean, static
+        target,
+        head,
+        sequences,
+        max_new_tokens,
+        max_depth,
+        max_k,
+        max_nodes,
+        lean,
+        static,
+        deadline=budget.deadline("calibration") if budget.bounded else None,
     )
     calibrate_s = time.perf_counter() - start
     context = context_bucket(prompts, max_new_tokens, target.max_len - max_nodes - 1)
     key = cost_key(target, head, context, max_nodes, max_depth, max_k, repeats)
+    costs_start = time.perf_counter()
     costs, reused = cached_costs(
         cache_dir, key, lambda: measure_costs(target, head, context, max_nodes, max_depth, max_k, repeats)
     )
+    budget.start += time.perf_counter() - costs_start  # the curves are cached per machine: not in the budget
     phases_start = time.perf_counter()
-    model = measure_phases(target, head, sequences, costs, max_new_tokens, lean=lean)
+    probe_tokens = budget.probe_tokens(1 + len(PROBE_SHAPES), max_new_tokens)
+    model = measure_phases(
+        target,
+        head,
+        sequences,
+        costs,
+        probe_tokens,
+        lean=lean,
+        deadline=budget.deadline("phases") if budget.bounded else None,
+    )
     phases_s = time.perf_counter() - phases_start
     choice = choose_shapes(calibration, model)
     choice.verdict = no_shape_pays(choice)
     race_start = time.perf_counter()
+    race_note = None
     if race > 1 and choice.verdict is None:  # nothing pays: no race among shapes that lose
         candidates = race_candidates(choice.sweep, race)
-        if len(candidates) > 1:
-            choice.race = race_shapes(target, head, prompts, candidates, max_new_tokens, race_repeats, lean)
+        plan = race_plan(candidates, len(sequences), race_repeats, max_new_tokens, budget.left())
+        if len(candidates) < 2:
+            race_note = "one depth / top_k pair: nothing to race"
+        elif decisive and candidates[0]["tokens_per_s"] >= decisive * candidates[1]["tokens_per_s"]:
+            race_note = (
+                f"decisive: the fastest predicted pair, {candidates[0]['tokens_per_s']:.1f} tokens/s, is "
+                f"{candidates[0]['tokens_per_s'] / candidates[1]['tokens_per_s']:.2f}x the next"
+            )
+        elif plan is None:
+            race_note = f"not raced: two shapes on one prompt do not fit the {budget.left():.1f} s left"
+        else:
+            n, p, r = plan
+            race_prompts = [s[0] for s in sequences[:p]]
+            choice.race = race_shapes(target, head, race_prompts, candidates[:n], max_new_tokens, r, lean)
             choice.eagle2 = {k: v for k, v in choice.race[0].items() if not k.startswith("race_")}
+            race_note = f"{n} shapes x {p} prompts x {r} passes"
     info = {
-        "calibration_prompts": len(prompts),
+        "calibration_prompts": len(sequences),
         "calibration_rounds_positions": sum(hi - lo for lo, hi in calibration.spans),
+        "sequences_s": sequences_s,
         "calibration_s": calibrate_s,
         "context": context,
         "costs_s": costs.seconds,
         "costs_reused": reused,
         "costs_file": str(cache_path(cache_dir, key)),
         "phases_s": phases_s,
+        "probe_tokens": probe_tokens,
         "race_s": time.perf_counter() - race_start,
+        "race_note": race_note,
+        "budget": budget.to_dict(),
         "round_model": {
             "draft_fixed_s": model.draft_fixed,
             "draft_scale": model.draft_scale,

@@ -55,6 +55,15 @@ class EvaluateConfig:
     # timed on the calibration prompts, side by side, and the fastest measured is chosen (0 or 1: the
     # model's choice as it is; autotune.shapes.race_shapes)
     tune_race: int = 4
+    # the tuning of a benchmark (greedy calibration decoding, replay, the real decoder's phases, the race) may
+    # take this share of the benchmark's evaluation, estimated as its answers x methods x max_new_tokens at
+    # plain decoding's measured seconds per token; each part stops at its share after a floor of work (one
+    # prompt, 16 positions, one phase prompt) and the race is dropped when it does not fit
+    # (eagle_train.autotune.budget; null: unbounded). The cost curves are outside it: measured once per
+    # machine and model, then cached
+    tune_share: float | None = 0.1
+    # the race is skipped when the model's fastest predicted depth / top_k pair beats the next by this factor
+    tune_decisive: float = 1.05
     # greedy identity: a differing answer whose first differing token has both candidates within this many
     # ulps of the top logit (in the target's dtype) is a near-tie, not a real divergence (decoding.identity)
     near_tie_ulps: int = 4
@@ -124,6 +133,10 @@ class EvaluateConfig:
         self.check_serving()
         if self.tune_prompts < 1 or self.tune_tokens < 2 or self.tune_race < 0:
             raise ValueError("tune_prompts must be >= 1, tune_tokens >= 2 and tune_race >= 0")
+        if self.tune_share is not None and not 0 < self.tune_share <= 1:
+            raise ValueError(f"tune_share must be in (0, 1] or null (unbounded), got {self.tune_share}")
+        if self.tune_decisive < 1:
+            raise ValueError(f"tune_decisive is a factor >= 1 (1: never race), got {self.tune_decisive}")
         if self.warmup < 0 or self.min_rounds < 0 or self.near_tie_ulps < 0:
             raise ValueError("warmup, min_rounds and near_tie_ulps must be >= 0")
 

@@ -86,10 +86,13 @@ def shape_markdown(tuning: dict[str, dict], table: list[dict], threads: str | No
             "| depth | top_k | total_tokens | predicted tau | predicted tokens/s |",
             "|---|---|---|---|---|",
         ]
+        budget = budget_line(info)
         for r in choice["sweep"][:SWEEP_ROWS]:
             lines.append(
                 f"| {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |"
             )
+        if budget:
+            lines += ["", budget]
         if choice.get("race"):
             lines += [
                 "",
@@ -106,6 +109,38 @@ def shape_markdown(tuning: dict[str, dict], table: list[dict], threads: str | No
                     f"{r['race_tau']:.2f} | {r['race_tokens_per_s']:.1f} |"
                 )
     return "\n".join(lines)
+
+
+def tuning_seconds(info: dict) -> float:
+    """What a benchmark's tuning took, the cost curves left out (cached per machine): greedy calibration
+    decoding and replay, the real decoder's phases, the race."""
+    return info["calibration_s"] + info.get("phases_s", 0.0) + info.get("race_s", 0.0)
+
+
+def budget_line(info: dict) -> str | None:
+    """One line: the tuning's seconds against the evaluation it served (measured), and its budget
+    (autotune.budget); None for records without a budget."""
+    budget = info.get("budget")
+    if not budget:
+        return None
+    spent = tuning_seconds(info)
+    parts = (
+        f"tuning {spent:.1f} s (greedy decoding {info.get('sequences_s', 0.0):.1f}, replay "
+        f"{info['calibration_s'] - info.get('sequences_s', 0.0):.1f}, phases {info.get('phases_s', 0.0):.1f}, "
+        f"race {info.get('race_s', 0.0):.1f})"
+    )
+    if budget.get("eval_s"):
+        parts += f", {spent / budget['eval_s']:.0%} of this benchmark's evaluation ({budget['eval_s']:.1f} s)"
+    if budget.get("budget_s") is not None:
+        parts += (
+            f"; budget {budget['share']:.0%} of an estimated {budget['eval_estimate_s']:.1f} s = "
+            f"{budget['budget_s']:.1f} s"
+        )
+    else:
+        parts += "; unbounded (tune_share=null)"
+    if info.get("race_note"):
+        parts += f"; race: {info['race_note']}"
+    return parts + "."
 
 
 def plot_costs(tuning: dict[str, dict], out: Path) -> Path:
