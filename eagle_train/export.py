@@ -20,11 +20,10 @@ from pathlib import Path
 from eagle_train.cli import stage_lock, stage_main
 from eagle_train.config.base import resolve_path
 from eagle_train.config.export import ExportConfig
+from eagle_train.heads import head_kind
 from eagle_train.interop.layouts import export_head, load_input_embedding, recorded_target
 from eagle_train.interop.reexpress import widen_head
-from eagle_train.modeling.draft import frozen_modules
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
-from eagle_train.modeling.peagle import check_placeholder_token, source_special_ids
 from eagle_train.modeling.target import torch_dtype
 from eagle_train.runtime.atomic_files import remove_partial_files
 from eagle_train.runtime.errors import InputError
@@ -102,16 +101,6 @@ def target_path(cfg: ExportConfig, recorded: dict, ckpt: Path, why: str) -> Path
     return resolve_path(source) or source
 
 
-def check_mask_token(head, recorded: dict, source: Path | str, ckpt: Path) -> None:
-    """A P-EAGLE head's mask token against its target (modeling.peagle.check_placeholder_token): none of
-    its BOS / EOS / PAD ids, its generation config's stop ids and the stop ids training recorded. A head
-    whose placeholder the target emits would replace that token's embedding row in the export."""
-    block = recorded.get("target") if isinstance(recorded.get("target"), dict) else {}
-    special = source_special_ids(source, block.get("stop_token_ids") or ())
-    where = f"{ckpt / CONFIG_NAME}: mask_token_id"
-    check_placeholder_token(head.mask_token_id, head.config.vocab_size, special, where)
-
-
 def run(cfg: ExportConfig) -> Path:
     """Export `cfg.ckpt` to `cfg.out_dir` in `cfg.format`; returns the output directory."""
     if not cfg.out_dir:
@@ -120,12 +109,12 @@ def run(cfg: ExportConfig) -> Path:
     head, recorded = load_head(ckpt)
     meta = export_meta(recorded, cfg, ckpt)
     embed = None
-    if cfg.format == "eagle" or head.kind == "peagle":
-        source = target_path(cfg, recorded, ckpt, "format=eagle" if cfg.format == "eagle" else "P-EAGLE")
+    kind = head_kind(head)
+    if cfg.format == "eagle" or kind.ships_embedding:
+        source = target_path(cfg, recorded, ckpt, "format=eagle" if cfg.format == "eagle" else kind.title)
         embed = load_input_embedding(source)
-    if head.kind == "peagle":  # it ships the target's embedding with its learned mask row in place
-        check_mask_token(head, recorded, source, ckpt)
-        head.hold_frozen(frozen_modules(embed.to(head.fc.weight.dtype)))
+    if kind.ships_embedding:  # the head holds the target's embedding (P-EAGLE: its learned row in place)
+        kind.hold_embedding(head, embed, recorded, source, ckpt)
         embed = None
     if cfg.head_dim and cfg.head_dim != head.config.head_dim:
         meta["reexpressed"] = {"head_dim": head.config.head_dim, "new_head_dim": cfg.head_dim}

@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from eagle_train.cli import on_main, stage_lock, stage_main
 from eagle_train.config.base import resolve_path
-from eagle_train.config.draft import EAGLE3_FAMILY
 from eagle_train.config.train import TrainConfig
 from eagle_train.data.batching import padding_fraction
 from eagle_train.engines.vllm_engine import check_engine_python
+from eagle_train.heads import head_kind
 from eagle_train.modeling.frozen import load_frozen_target
 from eagle_train.modeling.head_checkpoint import save_head
 from eagle_train.modeling.target import Target, TargetParts, load_target, load_target_config
@@ -50,7 +50,7 @@ from eagle_train.training.data import (
 from eagle_train.training.engine_eval import engine_metrics, held_out_prompts
 from eagle_train.training.heads import build_head
 from eagle_train.training.metrics import draft_metric_sums, finalize_metrics
-from eagle_train.training.objective import Objective, make_objective
+from eagle_train.training.objective import Objective
 from eagle_train.training.optim import NonFiniteError, build_optimizer, check_finite, grad_norm, lr_at, set_lr
 from eagle_train.training.sources import online_features, open_online, open_store, source_identity
 
@@ -121,7 +121,7 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         target = load_target(cfg.target, accelerator.device)
     else:
         target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
-    aux_layers = target.aux_layers if cfg.draft.type in EAGLE3_FAMILY else None  # EAGLE-3's features
+    aux_layers = target.aux_layers if head_kind(cfg.draft.type).reads_aux else None  # EAGLE-3's features
     with accelerator.local_main_process_first():  # one process per node hashes the weight files, once
         target.weight_files  # noqa: B018 (cached on the target and on disk)
     if cfg.data.source == "online":
@@ -223,9 +223,7 @@ def evaluate(
     for indices in plan:
         batch = objective.prepare(data.batch(indices, accelerator.device, head.fc.weight.dtype))
         with accelerator.autocast():
-            eagle3_lm = (
-                None if head.kind == "eagle1" else lm_weight
-            )  # EAGLE-1: the head's logits are the target's
+            eagle3_lm = lm_weight if head.own_lm_head else None  # EAGLE-1: the head's logits are the target's
             for key, value in draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm).items():
                 totals[key] += value
             for key, value in objective.sums(head, batch, None).items():
@@ -352,11 +350,11 @@ def setup(cfg: TrainConfig, accelerator: Accelerator) -> tuple[Session, dict[str
     model, optimizer = accelerator.prepare(head, optimizer)
     prepared = accelerator.unwrap_model(model)  # the frozen parts moved with it: one copy on the device
     feature_dtype = prepared.fc.weight.dtype
-    if prepared.kind == "eagle1":
+    if not prepared.own_lm_head:
         lm_weight = prepared.lm_head.weight  # the head's own frozen copy, no other
     else:  # an EAGLE-3 head has its own LM head: the target's is held once, for the soft targets
         lm_weight = target.lm_head.weight.detach().to(accelerator.device, dtype)
-    objective = make_objective(prepared.kind, cfg.loss, lm_weight, target.logit_transform, prepared)
+    objective = head_kind(prepared).objective(cfg.loss, lm_weight, target.logit_transform, prepared)
     if accelerator.num_processes > 1 and torch.distributed.get_world_size() != accelerator.num_processes:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes, torch.distributed "

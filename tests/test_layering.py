@@ -14,7 +14,7 @@ its layer allows (LAYERS: the first matching prefix wins, so specific names come
                  vllm_worker_loop run there: stdlib + vllm only, and engines/vllm_extract_worker: stdlib +
                  vllm + vLLM's own torch and safetensors)
                  + safetensors
-  3 stage pieces the rest of training/*, autotune/* (it times this machine and caches what it measured),
+  3 stage pieces the rest of training/*, heads/*, autotune/* (it times this machine and caches what it measured),
                  diagnostics/*            torch, numpy (accelerate objects come in as arguments)
   4 stages       extract, train, evaluate, regenerate, export, pipeline, fetch, cli (the Hydra edge): the only
                  importers of hydra, accelerate, deepspeed, wandb; nothing imports a stage but `cli`.
@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, int]] = [
     ("report", 2),
     ("engines", 2),
     ("training", 3),
+    ("heads", 3),
     ("autotune", 3),
     ("diagnostics", 3),
     ("cli", 4),

@@ -116,11 +116,11 @@ def cost_key(
     (target.compile_frozen)."""
     compiled = bool(getattr(getattr(target, "cfg", None), "compile_decode", False))
     frozen = compiled and bool(getattr(target.cfg, "compile_frozen", False))
-    parallel = getattr(head, "kind", None) == "peagle"  # drafts in its catch-up: other curves
+    parallel = getattr(head, "drafts_in_catch_up", False)  # drafts in its catch-up: other curves
     return {
         **({"compile_decode": True, **target.compile_options} if compiled else {}),
         **({"compile_frozen": True} if frozen else {}),
-        **({"head_kind": "peagle"} if parallel else {}),
+        **({"head_kind": head.kind} if parallel else {}),
         "version": COSTS_VERSION,
         "target": _architecture(target.config),
         "head": _architecture(head.config),

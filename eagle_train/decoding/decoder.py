@@ -358,9 +358,10 @@ class SpeculativeDecoder:
 
 
 def parallel_slots(head: DraftModel | None, tree_depth: int) -> int:
-    """A P-EAGLE head's placeholders per draft forward for trees up to `tree_depth` deep (a chain of K:
-    K; eagle2: depth + 1): one per depth after the first; 0 for other heads. The one home of that rule."""
-    return max(tree_depth - 1, 0) if getattr(head, "kind", None) == "peagle" else 0
+    """A head's placeholders per draft forward for trees up to `tree_depth` deep (a chain of K: K; eagle2:
+    depth + 1) when it drafts in its catch-up (P-EAGLE: `drafts_in_catch_up`): one per depth after the
+    first; 0 for other heads. The one home of that rule."""
+    return max(tree_depth - 1, 0) if getattr(head, "drafts_in_catch_up", False) else 0
 
 
 def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:

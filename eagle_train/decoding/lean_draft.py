@@ -91,8 +91,11 @@ def lean_forward(head, max_positions: int = 0):
     """The lean forward of `head` (`LeanDraft` or `LeanEagle3`), or None when `supports` says no."""
     if not supports(head):
         return None
-    eagle3 = getattr(head, "kind", "eagle1") in ("eagle3", "peagle")
-    return LeanEagle3(head, max_positions) if eagle3 else LeanDraft(head, max_positions)
+    return (
+        LeanEagle3(head, max_positions)
+        if getattr(head, "reads_aux", False)
+        else LeanDraft(head, max_positions)
+    )
 
 
 class LeanDraft:

@@ -210,7 +210,7 @@ def export_head(
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")
     dtype = dtype or head.fc.weight.dtype
-    if head.kind != "eagle1":  # EAGLE-3 and P-EAGLE
+    if head.reads_aux:  # EAGLE-3 and P-EAGLE
         from eagle_train.interop.eagle3_layouts import eagle3_writer  # it builds on this module's helpers
 
         llama = llama_config_dict(head, dtype)

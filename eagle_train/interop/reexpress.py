@@ -222,11 +222,7 @@ def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | E
         return head
     check_head_dims(head_dim, new_head_dim)
     config = LlamaConfig(**{**config_dict, "head_dim": new_head_dim})
-    wide = (
-        head.with_config(config)
-        if head.kind != "eagle1"
-        else DraftHead(config, fc_bias=head.fc.bias is not None, target=head)
-    )
+    wide = head.with_config(config)
     wide.load_state_dict(widen_state(head.trainable_state_dict(), head_dim, new_head_dim), strict=False)
     return wide.to(head.fc.weight.dtype).train(head.training)
 

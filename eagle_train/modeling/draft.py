@@ -11,6 +11,7 @@ layers.N.post_attention_layernorm (+ layers.N.input_layernorm for N >= 1).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -265,10 +266,38 @@ class DraftHead(FrozenParts, nn.Module):
         (in the LM head's dtype, which may be the working bf16 while the trained weights are float32)."""
         return self.logit_transform(self.lm_head(hidden.to(self.lm_head.weight.dtype)))
 
-    # The head protocol the decoder, the metrics and the trainer read (eagle_train.modeling.eagle3 too):
+    # The head protocol the decoder, the metrics, the trainer and the checkpoints read (every head class
+    # states it; the head kinds' registry, eagle_train.heads, is built on it):
     kind = "eagle1"
-    aux_layers = None  # features: the target's last hidden state, not the inputs of some layers
+    reads_aux = False  # features: the target's last hidden state, not the inputs of some of its layers
+    own_lm_head = False  # logits through the target's LM head and output processing, not a draft vocabulary
+    drafts_in_catch_up = False  # a round drafts one forward per tree level (P-EAGLE: all in its catch-up)
+    aux_layers = None
     vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)
+
+    @classmethod
+    def recognise(cls, raw: dict) -> bool:
+        """Whether a head's config.json describes a head of this class (checked most specific first,
+        modeling.head_checkpoint.HEAD_MODELS): an EAGLE-1/2 head is what no other class claims."""
+        return True
+
+    @classmethod
+    def from_checkpoint(cls, config: LlamaConfig, raw: dict, meta: dict, file: Path, target=None):
+        """An (untrained) head of the shape a checkpoint's config.json (`file`, read as `raw`; `config`:
+        its Llama shape, `meta`: its eagle_train block) describes; with `target`, its frozen parts."""
+        return cls(config, fc_bias=bool(meta.get("fc_bias", True)), target=target)
+
+    def checkpoint_fields(self) -> dict:
+        """config.json fields beyond the Llama shape that this head's checkpoint records."""
+        return {}
+
+    def with_config(self, config: LlamaConfig) -> DraftHead:
+        """An untrained head of this one's kind (fc bias) for `config`, sharing this one's frozen parts."""
+        return DraftHead(config, fc_bias=self.fc.bias is not None, target=self)
+
+    def check_checkpoint_state(self, state: dict, file: Path) -> None:
+        """InputError naming `file` when tensors of a checkpoint's `state` cannot be this head's (beyond
+        what load_state_dict checks)."""
 
 
 def frozen_modules(embed_weight: torch.Tensor, lm_weight: torch.Tensor | None = None) -> nn.ModuleDict:

@@ -20,6 +20,8 @@ mlp.{gate,up,down}_proj, post_attention_layernorm}.weight, norm.weight, lm_head.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
@@ -61,7 +63,24 @@ class Eagle3Head(FrozenParts, nn.Module):
     """fc over three target features, the `midlayer` (and N-1 plain layers), a final norm and the draft's
     own LM head over `draft_vocab_size` tokens; the target's frozen embedding."""
 
-    kind = "eagle3"
+    kind = "eagle3"  # the head protocol: modeling.draft.DraftHead
+    reads_aux = True
+    own_lm_head = True
+    drafts_in_catch_up = False
+
+    @classmethod
+    def recognise(cls, raw: dict) -> bool:
+        return is_eagle3_config(raw)
+
+    @classmethod
+    def from_checkpoint(cls, config: LlamaConfig, raw: dict, meta: dict, file: Path, target=None):
+        return eagle3_from_config(config, raw, recorded_aux_layers(raw), target=target)
+
+    def checkpoint_fields(self) -> dict:
+        return eagle3_config_fields(self)
+
+    def check_checkpoint_state(self, state: dict, file: Path) -> None:
+        return None
 
     def __init__(
         self,

@@ -24,22 +24,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_train.modeling.draft import DraftHead, SharedTarget
-from eagle_train.modeling.eagle3 import (
-    EAGLE3_FIELDS,
-    Eagle3Head,
-    eagle3_config_fields,
-    eagle3_from_config,
-    is_eagle3_config,
-    recorded_aux_layers,
-)
-from eagle_train.modeling.peagle import (
-    PEAGLE_FIELDS,
-    check_placeholder_tensors,
-    is_peagle_config,
-    peagle_config_fields,
-    peagle_from_config,
-    recorded_mask_token,
-)
+from eagle_train.modeling.eagle3 import EAGLE3_FIELDS, Eagle3Head
+from eagle_train.modeling.peagle import PEAGLE_FIELDS, PEagleHead
 from eagle_train.modeling.target import error_reason
 from eagle_train.runtime.atomic_files import atomic_write_dir, file_sha256, read_json
 from eagle_train.runtime.errors import InputError
@@ -50,16 +36,23 @@ STATE_DIR = "training_state"  # a training checkpoint's state beside its head (e
 TRAINER_FILE = (
     "trainer.json"  # in STATE_DIR: the trainer state and the sha256 of every file of the checkpoint
 )
+# every head class, the most specific first: a checkpoint is the first whose `recognise` claims its
+# config.json (the head protocol, modeling.draft.DraftHead; the head kinds' registry, eagle_train.heads)
+HEAD_MODELS = (PEagleHead, Eagle3Head, DraftHead)
+# config.json fields beyond the Llama shape that some head class records
+HEAD_FIELDS = EAGLE3_FIELDS + PEAGLE_FIELDS
+
+
+def head_model(raw: dict) -> type:
+    """The head class a checkpoint's config.json describes (`HEAD_MODELS`)."""
+    return next(cls for cls in HEAD_MODELS if cls.recognise(raw))
 
 
 def head_config_dict(head: DraftHead | Eagle3Head, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json content: the draft Llama config plus this project's `eagle_train` block."""
     config = head.config.to_dict()
     config["architectures"] = ["LlamaForCausalLM"]
-    if head.kind == "eagle3":
-        config.update(eagle3_config_fields(head))
-    elif head.kind == "peagle":
-        config.update(peagle_config_fields(head))
+    config.update(head.checkpoint_fields())
     config["eagle_train"] = {"type": head.kind, "fc_bias": head.fc.bias is not None, **(meta or {})}
     return config
 
@@ -150,21 +143,14 @@ def load_head(
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
     check_head_files(path)
     raw = read_json(config_file, "draft head config")
-    eagle3, peagle = is_eagle3_config(raw), is_peagle_config(raw)
+    model = head_model(raw)
     meta = raw.pop("eagle_train", {})
-    dropped = ("architectures", "model_type", *(EAGLE3_FIELDS + PEAGLE_FIELDS if eagle3 else ()))
+    dropped = ("architectures", "model_type", *HEAD_FIELDS)
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
-    if peagle:
-        mask = recorded_mask_token(raw, config_file, config.vocab_size, required=True)
-        head = peagle_from_config(config, raw, recorded_aux_layers(raw), mask, target=target)
-    elif eagle3:
-        head = eagle3_from_config(config, raw, recorded_aux_layers(raw), target=target)
-    else:
-        head = DraftHead(config, fc_bias=bool(meta.get("fc_bias", True)), target=target)
+    head = model.from_checkpoint(config, raw, meta, config_file, target=target)
     state = read_head_weights(weights_file)
     check_finite(state, weights_file)
-    if peagle:
-        check_placeholder_tensors(head, state, weights_file)
+    head.check_checkpoint_state(state, weights_file)
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shapes that do not fit the config

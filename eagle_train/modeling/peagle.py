@@ -38,7 +38,12 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Pretraine
 
 from eagle_train.config.target import NUM_AUX_LAYERS
 from eagle_train.modeling.draft import draft_llama_config
-from eagle_train.modeling.eagle3 import Eagle3Head, eagle3_config_fields, eagle3_head_args
+from eagle_train.modeling.eagle3 import (
+    Eagle3Head,
+    eagle3_config_fields,
+    eagle3_head_args,
+    recorded_aux_layers,
+)
 from eagle_train.runtime.errors import InputError
 
 MASK_KEYS = ("mask_hidden", "mask_embedding")
@@ -48,7 +53,23 @@ PEAGLE_FIELDS = ("mask_token_id", "pard_token", "ptd_token_id")  # config.json f
 class PEagleHead(Eagle3Head):
     """`Eagle3Head` + `mask_hidden` [1, 1, 3 d_t] + the learned embedding row of `mask_token_id`."""
 
-    kind = "peagle"
+    kind = "peagle"  # the head protocol: modeling.draft.DraftHead
+    drafts_in_catch_up = True
+
+    @classmethod
+    def recognise(cls, raw: dict) -> bool:
+        return is_peagle_config(raw)
+
+    @classmethod
+    def from_checkpoint(cls, config: LlamaConfig, raw: dict, meta: dict, file: Path, target=None):
+        mask = recorded_mask_token(raw, file, config.vocab_size, required=True)
+        return peagle_from_config(config, raw, recorded_aux_layers(raw), mask, target=target)
+
+    def checkpoint_fields(self) -> dict:
+        return peagle_config_fields(self)
+
+    def check_checkpoint_state(self, state: dict, file: Path) -> None:
+        check_placeholder_tensors(self, state, file)
 
     def __init__(
         self,

@@ -35,7 +35,7 @@ def chain_topk(
     """Top-k draft tokens [batch, n, k] (target ids: an EAGLE-3 head's draft ids mapped through its
     `vocab_map`) at each chain step 1..depth for the chains started at every j."""
     vocab_map = getattr(head, "vocab_map", None)
-    drafts = parallel_unroll if getattr(head, "kind", None) == "peagle" else unroll
+    drafts = parallel_unroll if getattr(head, "drafts_in_catch_up", False) else unroll
     tops = []
     for state in drafts(head, input_ids, features, depth):
         top = head.logits(state).topk(k, dim=-1).indices

@@ -297,15 +297,3 @@ def noisy_features(batch, cfg: LossConfig, generator: torch.Generator | None) ->
     if generator is None:
         return batch["features"]
     return add_feature_noise(batch["features"], cfg.noise, cfg.noise_scale, generator, batch["positions"] + 1)
-
-
-def make_objective(
-    kind: str, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head
-) -> Objective:
-    """The objective of a head type (`head.kind`): `target_lm_head` is the frozen target LM head
-    [vocab, d] (EAGLE-1: the head's own copy of it), `transform` the target's output processing."""
-    if kind == "eagle3":
-        return Eagle3Objective(cfg, target_lm_head, transform, head)
-    if kind == "peagle":
-        return PEagleObjective(cfg, target_lm_head, transform, head)
-    return EagleObjective(cfg, target_lm_head, transform)

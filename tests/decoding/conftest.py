@@ -153,10 +153,10 @@ def train_eagle3_head(
     soft CE over a 256-token draft vocabulary) on the target's features of TinyStories text; kind
     "peagle": a P-EAGLE head (its mask token <unk>, COD over 4 depths)."""
     from eagle_train.config.train import CodConfig, LossConfig
+    from eagle_train.heads import head_kind
     from eagle_train.modeling.eagle3 import Eagle3Head
     from eagle_train.modeling.peagle import PEagleHead
     from eagle_train.training.data import collate
-    from eagle_train.training.objective import make_objective
 
     torch.manual_seed(seed)
     rows = _tinystories_rows(target)
@@ -168,7 +168,7 @@ def train_eagle3_head(
     head.set_vocabulary(_tinystories_vocabulary(target, vocab), target.lm_head.weight)
     head.share_target_weights(target)
     loss = LossConfig(ttt_steps=3, noise="none", cod=CodConfig(num_depths=4))
-    objective = make_objective(kind, loss, target.lm_head.weight, target.logit_transform, head)
+    objective = head_kind(kind).objective(loss, target.lm_head.weight, target.logit_transform, head)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
     mask = torch.ones(rows.shape[1], dtype=torch.bool)
     g = torch.Generator().manual_seed(seed)

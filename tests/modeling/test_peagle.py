@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle_train.heads.peagle import choose_mask_token
 from eagle_train.interop.layouts import export_head, load_draft
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import load_head, save_head
 from eagle_train.modeling.peagle import PEagleHead, target_special_ids
 from eagle_train.runtime.errors import InputError
-from eagle_train.training.heads import choose_mask_token
 from tests.conftest import STORIES260K
 from tests.interop.test_eagle3_layouts import META, VD, V, randomize
 
