@@ -119,7 +119,7 @@ def tune_bench(
         for q in pool
     ]
     tokens = min(cfg.tune_tokens, cfg.decode.max_new_tokens)
-    base = load_tree_paths(AUTO_TREE_BASE) if "eagle1" in auto else None
+    base = load_tree_paths(AUTO_TREE_BASE) if "static_tree" in auto else None
     choice, costs, info = tune_shapes(
         target,
         head,
@@ -128,11 +128,11 @@ def tune_bench(
         cache_dir() / "costs",  # reused by every run on this machine (the key says what they hold)
         lean=cfg.decode.lean_draft,
         static_base=base,
-        race=cfg.tune_race if "eagle2" in auto else 0,  # the race settles EAGLE-2's shape only
+        race=cfg.tune_race if "dynamic_tree" in auto else 0,  # the race settles EAGLE-2's shape only
         budget=Budget(cfg.tune_share, eval_tokens(bench, cfg, target)),
         decisive=cfg.tune_decisive,
     )
-    chosen = choice.eagle2
+    chosen = choice.dynamic_tree
     curve = [
         [r["total_tokens"], r["tokens_per_s"]]
         for r in sorted(choice.sweep, key=lambda r: r["total_tokens"])
@@ -449,11 +449,11 @@ def pick_threads(cfg: EvaluateConfig, target: Target) -> str:
 
 
 def attention_meta(target: Target) -> str:
-    """The attention kernels of the run: decode-time forwards (ar, chain, eagle1, eagle2) and HF generate."""
+    """The attention kernels of the run: decode-time forwards (ar, chain, static_tree, dynamic_tree) and HF generate."""
     own, decode = target.attention, target.decode_attention
     if own == decode:
         return own
-    return f"{decode} for ar/chain/eagle1/eagle2 (the tree mask needs it), {own} for hf"
+    return f"{decode} for ar/chain/static_tree/dynamic_tree (the tree mask needs it), {own} for hf"
 
 
 def run(cfg: EvaluateConfig) -> dict:

@@ -56,7 +56,7 @@ def chosen_shapes(target, head, renderer, questions: int, prompt_limit: int, cac
     choice, _, info = tune_shapes(target, head, prompts, NEW_TOKENS, cache)
     return {
         "chain": choice.chain,
-        "eagle2": {k: v for k, v in choice.eagle2.items() if k != "round_s"},
+        "eagle2": {k: v for k, v in choice.dynamic_tree.items() if k != "round_s"},
         "tune_s": info["calibration_s"] + info["costs_s"] + info["phases_s"] + info["race_s"],
     }
 
@@ -66,7 +66,10 @@ def decoders(target, name: str, head, chains: list[int], shapes: dict) -> dict[s
     fields = {f"chain{k}": {"method": "chain", "chain_length": k} for k in chains}
     fields["chain_auto"] = {"method": "chain", "chain_length": shapes["chain"]["chain_length"]}
     tree = shapes["eagle2"]
-    fields["eagle2_auto"] = {"method": "eagle2", **{k: tree[k] for k in ("depth", "top_k", "total_tokens")}}
+    fields["eagle2_auto"] = {
+        "method": "dynamic_tree",
+        **{k: tree[k] for k in ("depth", "top_k", "total_tokens")},
+    }
     return {
         f"{name}/{kind}": SpeculativeDecoder(target, head, DecodeConfig(max_new_tokens=NEW_TOKENS, **cfg))
         for kind, cfg in fields.items()

@@ -60,10 +60,12 @@ METHODS = {
     "ar": DecodeConfig(method="ar"),
     "hf": DecodeConfig(method="hf"),
     "chain4": DecodeConfig(method="chain", chain_length=4),
-    "eagle1_mc_sim_7b_63": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
-    "eagle1_cpu": DecodeConfig(method="eagle1", tree="cpu_small"),
-    "eagle2_ref_60_5_10": DecodeConfig(method="eagle2", depth=5, top_k=10, total_tokens=60),
-    "eagle2_cpu": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=20),  # chosen on this CPU
+    "eagle1_mc_sim_7b_63": DecodeConfig(method="static_tree", tree="mc_sim_7b_63"),
+    "eagle1_cpu": DecodeConfig(method="static_tree", tree="cpu_small"),
+    "eagle2_ref_60_5_10": DecodeConfig(method="dynamic_tree", depth=5, top_k=10, total_tokens=60),
+    "eagle2_cpu": DecodeConfig(
+        method="dynamic_tree", depth=3, top_k=4, total_tokens=20
+    ),  # chosen on this CPU
     "chain_auto": None,  # chosen per benchmark by decode.shape=auto (tune_shapes)
     "eagle2_auto": None,
 }
@@ -213,7 +215,7 @@ def print_table(summary: dict, shapes: dict) -> None:
 
 
 def shape_name(cfg: DecodeConfig) -> str:
-    if cfg.method == "eagle2":
+    if cfg.method == "dynamic_tree":
         return f"{cfg.depth}/{cfg.top_k}/{cfg.total_tokens}"
     return str(cfg.chain_length) if cfg.method == "chain" else ""
 
@@ -329,7 +331,7 @@ def run_bench(target, head, bench: str, args) -> dict:
     for shape in filter(None, args.eagle2_shapes.split(",")):
         depth, top_k, total = (int(x) for x in shape.split("/"))
         methods[f"eagle2_{depth}_{top_k}_{total}"] = DecodeConfig(
-            method="eagle2", depth=depth, top_k=top_k, total_tokens=total
+            method="dynamic_tree", depth=depth, top_k=top_k, total_tokens=total
         )
     tuned = None
     if "chain_auto" in names or "eagle2_auto" in names:
@@ -342,7 +344,9 @@ def run_bench(target, head, bench: str, args) -> dict:
         if "chain_auto" in names:
             methods["chain_auto"] = DecodeConfig(method="chain", **choice.decode_fields("chain"))
         if "eagle2_auto" in names:
-            methods["eagle2_auto"] = DecodeConfig(method="eagle2", **choice.decode_fields("eagle2"))
+            methods["eagle2_auto"] = DecodeConfig(
+                method="dynamic_tree", **choice.decode_fields("dynamic_tree")
+            )
         print(
             f"{bench}: chose chain {choice.chain['chain_length']}, eagle2 {shape_name(methods.get('eagle2_auto', DecodeConfig()))} "
             f"(tuned in {info['calibration_s'] + info['phases_s'] + info['race_s'] + (0 if info['costs_reused'] else info['costs_s']):.0f} s)"
@@ -353,11 +357,11 @@ def run_bench(target, head, bench: str, args) -> dict:
                 f"measured {r['race_tokens_per_s']:.1f} tok/s (tau {r['race_tau']:.2f})"
             )
     if args.sweep:  # a shape already timed (the chosen one, say) is timed once
-        timed = {shape_name(cfg) for cfg in methods.values() if cfg.method == "eagle2"}
+        timed = {shape_name(cfg) for cfg in methods.values() if cfg.method == "dynamic_tree"}
         for d, k, t in SWEEP:
             if f"{d}/{k}/{t}" not in timed:
                 methods[f"sweep_{d}_{k}_{t}"] = DecodeConfig(
-                    method="eagle2", depth=d, top_k=k, total_tokens=t
+                    method="dynamic_tree", depth=d, top_k=k, total_tokens=t
                 )
     prompts = bench_prompts(target, bench, args.prompts)
     time_methods(target, head, prompts[:1], methods, 32, 1)  # warm-up

@@ -170,7 +170,12 @@ def evaluate(work: Path, run: Path, questions: int, reuse: bool) -> dict:
     out = work / "eval" / f"{run.name}_q{questions}"
     if not (reuse and (out / "report.json").is_file()):
         args = [f"draft.path={run / 'final'}", "bench=[tinystories,mt_bench]"]
-        args += [f"num_questions={questions}", "methods=[ar,eagle2]", "decode.max_new_tokens=128", *TREE]
+        args += [
+            f"num_questions={questions}",
+            "methods=[ar,dynamic_tree]",
+            "decode.max_new_tokens=128",
+            *TREE,
+        ]
         stage(
             "eagle_train.evaluate",
             [*args, "num_threads=1", "plots=false", f"out_dir={out}"],
@@ -283,12 +288,12 @@ def print_table(results: dict, stores: dict) -> None:
         row = f"{name:16s} {r['steps']:6d} {r['train_s']:8.0f} {r['held_out'].get('eval/top1', 0):6.3f}"
         row += f" {r['held_out'].get('eval/accept_len', 0):7.2f}"
         for bench in ("tinystories", "mt_bench") if "eval" in r else ():
-            e = r["eval"][f"{bench}/eagle2"]
+            e = r["eval"][f"{bench}/dynamic_tree"]
             row += f" | {e['tau']:13.2f} {e['tokens_per_s']:6.0f} {e['speedup']:6.2f}x {e['identical']}/{e['identity_checked']}"
         print(row)
     for name, r in results.items():
         for bench in ("tinystories", "mt_bench") if "eval" in r else ():
-            rates = r["eval"][f"{bench}/eagle2"]["acceptance_by_position"]
+            rates = r["eval"][f"{bench}/dynamic_tree"]["acceptance_by_position"]
             shown = " ".join("-" if x is None else f"{x:.2f}" for x in rates[:8])
             print(f"  acceptance by position {name:14s} {bench:11s}: {shown}")
 

@@ -34,10 +34,10 @@ from eagle_train.modeling.target import load_target
 REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
     "chain4": DecodeConfig(method="chain", chain_length=4),
-    "eagle1_mc_sim_7b_63": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
-    "eagle1_cpu_small": DecodeConfig(method="eagle1", tree="cpu_small"),
+    "eagle1_mc_sim_7b_63": DecodeConfig(method="static_tree", tree="mc_sim_7b_63"),
+    "eagle1_cpu_small": DecodeConfig(method="static_tree", tree="cpu_small"),
 }
-EAGLE2 = DecodeConfig(method="eagle2", depth=5, top_k=10, total_tokens=60)
+EAGLE2 = DecodeConfig(method="dynamic_tree", depth=5, top_k=10, total_tokens=60)
 
 
 def load_prompts(tokenizer, n: int) -> list[list[int]]:

@@ -64,8 +64,8 @@ SIZES = {  # per shape: extraction conversations and lengths, training steps, de
 DECODE = {
     "ar": DecodeConfig(method="ar"),
     "chain": DecodeConfig(method="chain", chain_length=4),
-    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
-    "eagle2": DecodeConfig(method="eagle2", depth=5, top_k=10, total_tokens=60),
+    "static_tree": DecodeConfig(method="static_tree", tree="mc_sim_7b_63"),
+    "dynamic_tree": DecodeConfig(method="dynamic_tree", depth=5, top_k=10, total_tokens=60),
 }
 
 

@@ -40,7 +40,7 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
         target=target_cfg,
         draft=DraftConfig(path=str(head_dir)),
         bench=["tinystories", str(user)],
-        methods=["ar", "chain", "eagle2"],
+        methods=["ar", "chain", "dynamic_tree"],
         num_questions=2,
         out_dir=str(tmp_path / "eval"),
         num_threads=1,
@@ -54,7 +54,7 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
     # tinystories: 2 questions x 1 turn x 3 methods; the user file: 1 question x 2 turns x 3 methods
     assert len(answers) == 12
     assert {(a["bench"], a["method"]) for a in answers} == {
-        (b, m) for b in ("tinystories", "two_turns") for m in ("ar", "chain", "eagle2")
+        (b, m) for b in ("tinystories", "two_turns") for m in ("ar", "chain", "dynamic_tree")
     }
     for a in answers:
         assert a["new_tokens"] == len(a["tokens"]) > 0
@@ -75,12 +75,15 @@ def test_run_writes_answers_and_report(target_cfg, head_dir, tmp_path):
     # every greedy answer is the model's own choice by its teacher-forced, cache-free forward
     assert all(a["model_check"] == {"kind": "identical"} for a in answers)
     assert rows[("two_turns", "ar")]["model_identical"] == rows[("two_turns", "ar")]["model_checked"] == 2
-    assert rows[("tinystories", "eagle2")]["identical"] == 2 and rows[("two_turns", "chain")]["answers"] == 2
+    assert (
+        rows[("tinystories", "dynamic_tree")]["identical"] == 2
+        and rows[("two_turns", "chain")]["answers"] == 2
+    )
     assert all(r["tau"] >= 1.0 for r in rows.values())
     assert any("rounds (< 1000)" in n for n in report["sanity"])  # too few rounds is flagged
     for name in ("report.json", "report.md", "acceptance_by_position.png", "calibration.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
-    assert "| tinystories | eagle2 | 2 |" in (out / "report.md").read_text()
+    assert "| tinystories | dynamic_tree | 2 |" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -101,14 +104,17 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path, monkeypatch):
     ]
     # unbounded first (one question of 16 tokens leaves the default 10% budget no room for a race)
     base = to_schema(compose("evaluate", overrides=[*overrides, "tune_share=null"]), EvaluateConfig)
-    assert base.decode.auto_methods == ("chain", "eagle2", "eagle1") and base.num_threads is None
+    assert base.decode.auto_methods == ("chain", "dynamic_tree", "static_tree") and base.num_threads is None
     report = run(base)
     answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert all(a["identical"] for a in answers if a["method"] != "ar")
     tuning = report["shapes"]["tuning"]["tinystories"]
-    assert set(tuning["methods"]) == {"chain", "eagle2", "eagle1"} and not tuning["info"]["costs_reused"]
-    eagle2 = tuning["methods"]["eagle2"]
-    rounds = [a for a in answers if a["method"] == "eagle2"]
+    assert (
+        set(tuning["methods"]) == {"chain", "dynamic_tree", "static_tree"}
+        and not tuning["info"]["costs_reused"]
+    )
+    eagle2 = tuning["methods"]["dynamic_tree"]
+    rounds = [a for a in answers if a["method"] == "dynamic_tree"]
     assert max(d for a in rounds for d in a["draft_depths"]) <= eagle2["depth"] + 1
     assert report["meta"]["threads"].startswith("1 ")  # the tests' torch runs one thread
     assert (tmp_path / "cost_curves.png").stat().st_size > 0
@@ -127,7 +133,7 @@ def test_auto_shapes_end_to_end(target_cfg, head_dir, tmp_path, monkeypatch):
     fixed = to_schema(compose("evaluate", overrides=[*overrides, "decode.depth=2"]), EvaluateConfig)
     assert fixed.tune_share == 0.1
     again = run(fixed)["shapes"]["tuning"]["tinystories"]
-    assert again["info"]["costs_reused"] and set(again["methods"]) == {"chain", "eagle1"}
+    assert again["info"]["costs_reused"] and set(again["methods"]) == {"chain", "static_tree"}
     assert again["info"]["costs_file"].startswith(str(tmp_path / "cache" / "costs"))
     assert again["choice"]["race"] == []
     budget = again["info"]["budget"]
@@ -161,7 +167,7 @@ def test_bf16_answers_part_from_ar_only_at_near_ties(target_cfg, head_dir, tmp_p
     """In bf16 (here on the CPU) greedy answers may part from plain decoding at a near-tie (on an AVX-512
     CPU most of these do; on an AVX2 one, whose bf16 products round otherwise, none may); the report counts
     them apart from real divergences and does not call the decoder lossy for them."""
-    report = bf16_eval(target_cfg, head_dir, tmp_path, ["ar", "eagle2"], num_questions=3)
+    report = bf16_eval(target_cfg, head_dir, tmp_path, ["ar", "dynamic_tree"], num_questions=3)
     rows = [r for r in report["results"] if r["method"] != "ar"]
     assert all(r["divergences"] == 0 for r in rows)
     assert all(r["near_ties"] + r["identical"] == r["answers"] for r in rows)
@@ -175,7 +181,7 @@ def test_bf16_answers_part_from_ar_only_at_near_ties(target_cfg, head_dir, tmp_p
             assert a["tokens"][: d["index"]] == ar[a["question_id"]][: d["index"]]
             assert d["tokens"] == [ar[a["question_id"]][d["index"]], a["tokens"][d["index"]]]
     md = (tmp_path / "report.md").read_text()
-    assert "tinystories/eagle2: greedy identity:" in md and "0 real divergence" in md
+    assert "tinystories/dynamic_tree: greedy identity:" in md and "0 real divergence" in md
     if any(r["near_ties"] for r in rows):
         assert "near-tie: the first differing token" in md
 
@@ -210,14 +216,16 @@ def test_a_flash_attention_target_is_evaluated_with_hf_beside_ar(target_cfg, tar
     from eagle_train.evaluate import attention_meta, evaluated_methods
     from eagle_train.modeling.target import load_target
 
-    cfg = EvaluateConfig(target=target_cfg, draft=DraftConfig(path=str(head_dir)), methods=["ar", "eagle2"])
-    assert evaluated_methods(cfg, target) == ["ar", "eagle2"] and attention_meta(target) == "sdpa"
+    cfg = EvaluateConfig(
+        target=target_cfg, draft=DraftConfig(path=str(head_dir)), methods=["ar", "dynamic_tree"]
+    )
+    assert evaluated_methods(cfg, target) == ["ar", "dynamic_tree"] and attention_meta(target) == "sdpa"
     flash = load_target(target_cfg)
     flash.model.config._attn_implementation = "flash_attention_2"  # as loading with it would (no CUDA here)
-    assert evaluated_methods(cfg, flash) == ["ar", "eagle2", "hf"]
+    assert evaluated_methods(cfg, flash) == ["ar", "dynamic_tree", "hf"]
     assert (
         attention_meta(flash)
-        == "sdpa for ar/chain/eagle1/eagle2 (the tree mask needs it), flash_attention_2 for hf"
+        == "sdpa for ar/chain/static_tree/dynamic_tree (the tree mask needs it), flash_attention_2 for hf"
     )
 
 
@@ -227,11 +235,11 @@ def test_config_from_hydra_and_errors(tmp_path):
     )
     assert (
         cfg.bench == ["qa"]
-        and cfg.methods == ["ar", "chain", "eagle1", "eagle2"]
+        and cfg.methods == ["ar", "chain", "static_tree", "dynamic_tree"]
         and cfg.decode.temperature == 0
     )
     with pytest.raises(ValueError, match="draft.path"):
-        EvaluateConfig(methods=["ar", "eagle2"])
+        EvaluateConfig(methods=["ar", "dynamic_tree"])
     with pytest.raises(ValueError, match="methods"):
         EvaluateConfig(methods=["ar", "medusa"])
     assert EvaluateConfig(methods=["ar"]).bench == ["mt_bench"]
@@ -267,9 +275,11 @@ def test_calibration_pairs_use_every_tested_node():
 
 
 def test_engine_settings_are_checked(target_cfg):
-    cfg = EvaluateConfig(target=target_cfg, draft=DraftConfig(path="x"), methods=["eagle2"], engine="vllm")
+    cfg = EvaluateConfig(
+        target=target_cfg, draft=DraftConfig(path="x"), methods=["dynamic_tree"], engine="vllm"
+    )
     assert cfg.methods == [
-        "eagle2",
+        "dynamic_tree",
         "ar",
         "chain",
     ]  # the engines are compared on chain against plain decoding

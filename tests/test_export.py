@@ -305,7 +305,7 @@ def assert_same_decoding(target, head, imported, abs_confidence: float) -> None:
     from eagle_train.config.decode import DecodeConfig
     from eagle_train.decoding.decoder import SpeculativeDecoder
 
-    cfg = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=16)
+    cfg = DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=12, max_new_tokens=16)
     prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
     runs = [SpeculativeDecoder(target, h, cfg).generate(prompt) for h in (head, imported)]
     assert runs[0].tokens == runs[1].tokens

@@ -124,7 +124,7 @@ def test_a_copy_with_nothing_beside_it_runs_extract_train_and_evaluate(tmp_path)
             "bench=tinystories",
             "num_questions=1",
             "decode.max_new_tokens=8",
-            "methods=[ar,eagle2]",
+            "methods=[ar,dynamic_tree]",
             "plots=false",
             "progress=false",
             "out_dir=runs/e",

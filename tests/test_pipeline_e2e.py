@@ -55,12 +55,16 @@ def test_reduced_demo(tmp_path, capsys, experiment):
     out = tmp_path / "eval"
     report = json.loads((out / "report.json").read_text())
     rows = {r["method"]: r for r in report["results"]}
-    assert set(rows) == {"ar", "chain", "eagle1", "eagle2"}
+    assert set(rows) == {"ar", "chain", "static_tree", "dynamic_tree"}
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert len(answers) == 2 * 4
     assert all(a["identical"] for a in answers if a["method"] != "ar")  # greedy: every answer equals ar's
-    assert all(rows[m]["identical"] == rows[m]["answers"] == 2 for m in ("chain", "eagle1", "eagle2"))
-    assert rows["eagle2"]["tau"] > 1.0 and rows["chain"]["tau"] > 1.0  # even a briefly trained head drafts
+    assert all(
+        rows[m]["identical"] == rows[m]["answers"] == 2 for m in ("chain", "static_tree", "dynamic_tree")
+    )
+    assert (
+        rows["dynamic_tree"]["tau"] > 1.0 and rows["chain"]["tau"] > 1.0
+    )  # even a briefly trained head drafts
     head = json.loads((tmp_path / "train" / "final" / "config.json").read_text())
     kinds = {"tiny_cpu": "eagle1", "tiny_cpu_eagle3": "eagle3", "tiny_cpu_peagle": "peagle"}
     assert head["eagle_train"]["type"] == kinds[experiment]
@@ -75,10 +79,10 @@ def test_reduced_demo(tmp_path, capsys, experiment):
         assert (out / name).stat().st_size > 0
     # decode.shape=auto / decode.tree=auto: every tree chosen from this run's measurements, and stated
     chosen = {r["method"]: r for r in report["shapes"]["chosen"]}
-    assert set(chosen) == {"chain", "eagle1", "eagle2"}
+    assert set(chosen) == {"chain", "static_tree", "dynamic_tree"}
     assert all(c["measured_tau"] == rows[m]["tau"] for m, c in chosen.items())
     assert "## Tree shapes (decode.shape=auto)" in (out / "report.md").read_text()
-    row = "| tinystories | eagle2 | 2 |"
+    row = "| tinystories | dynamic_tree | 2 |"
     assert capsys.readouterr().out.count(row) == 1  # the report table is printed, once
 
     assert all(r["skipped"] for r in run(cfg))  # a rerun resumes: every stage is finished

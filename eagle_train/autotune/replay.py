@@ -41,7 +41,7 @@ class Calibration:
     max_depth: int
     max_nodes: int
     candidates: dict[int, list[int]] = field(default_factory=dict)  # k -> candidates of depth 1..max_depth
-    static: TreeShape | None = None  # eagle1's candidate tree (decode.tree=auto prunes it)
+    static: TreeShape | None = None  # static_tree's candidate tree (decode.tree=auto prunes it)
     static_match: torch.Tensor | None = None  # [positions, nodes - 1] bool: draft node accepted there
 
 

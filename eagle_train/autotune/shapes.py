@@ -37,11 +37,13 @@ class ShapeChoice:
     """The fastest predicted EAGLE-2 shape, chain length and static tree, with the predictions they rest
     on (tau, tokens_per_s, round_s: predicted seconds per round of draft / verify / other)."""
 
-    eagle2: dict[str, Any]  # depth, top_k, total_tokens, tau, tokens_per_s, round_s
+    dynamic_tree: dict[str, Any]  # depth, top_k, total_tokens, tau, tokens_per_s, round_s
     chain: dict[str, Any]  # chain_length, tau, tokens_per_s, round_s
     ar_tokens_per_s: float
     sweep: list[dict[str, Any]]  # every EAGLE-2 shape, fastest first
-    eagle1: dict[str, Any] | None = None  # tree_paths, nodes, tau, tokens_per_s, round_s (decode.tree=auto)
+    static_tree: dict[str, Any] | None = (
+        None  # tree_paths, nodes, tau, tokens_per_s, round_s (decode.tree=auto)
+    )
     # race_shapes' candidates with what they measured, fastest measured first (empty: no race)
     race: list[dict[str, Any]] = field(default_factory=list)
     # one line when no shape is predicted to beat plain decoding (`no_shape_pays`), else None
@@ -49,19 +51,19 @@ class ShapeChoice:
 
     def decode_fields(self, method: str) -> dict[str, int]:
         """The DecodeConfig fields that fix `method`'s chosen shape."""
-        if method == "eagle2":
-            return {k: self.eagle2[k] for k in ("depth", "top_k", "total_tokens")}
+        if method == "dynamic_tree":
+            return {k: self.dynamic_tree[k] for k in ("depth", "top_k", "total_tokens")}
         if method == "chain":
             return {"chain_length": self.chain["chain_length"]}
-        if method == "eagle1" and self.eagle1 is not None:
-            return {"tree_paths": self.eagle1["tree_paths"]}
+        if method == "static_tree" and self.static_tree is not None:
+            return {"tree_paths": self.static_tree["tree_paths"]}
         return {}
 
     def to_dict(self, sweep_rows: int = 20) -> dict[str, Any]:
         return {
-            "eagle2": self.eagle2,
+            "dynamic_tree": self.dynamic_tree,
             "chain": self.chain,
-            "eagle1": self.eagle1,
+            "static_tree": self.static_tree,
             "ar_tokens_per_s": self.ar_tokens_per_s,
             "sweep": self.sweep[:sweep_rows],
             "shapes_predicted": len(self.sweep),
@@ -101,13 +103,13 @@ class RoundModel:
         return 1.0 / (self.ar_token_s or self.costs.verify(1))
 
 
-def eagle2_decoder(
+def dynamic_tree_decoder(
     target, head, shape: tuple[int, int, int], max_new_tokens: int, lean: bool
 ) -> SpeculativeDecoder:
     """The real decoder for an EAGLE-2 shape (depth, top_k, total_tokens), greedy."""
     depth, top_k, total = shape
     cfg = DecodeConfig(
-        method="eagle2",
+        method="dynamic_tree",
         depth=depth,
         top_k=top_k,
         total_tokens=total,
@@ -155,7 +157,7 @@ def measure_phases(
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=max_new_tokens))
     grid = (len(costs.expand_s), len(costs.expand_s[0]), costs.max_nodes)
     probes = sorted({tuple(min(x, top) for x, top in zip(p, grid, strict=True)) for p in probes})
-    decoders = [eagle2_decoder(target, head, (d, k, t), max_new_tokens, lean) for d, k, t in probes]
+    decoders = [dynamic_tree_decoder(target, head, (d, k, t), max_new_tokens, lean) for d, k, t in probes]
     keys = ("draft", "verify", "other", "draft_curve", "verify_curve", "rounds")
     sums = [dict.fromkeys(keys, 0.0) for _ in decoders]  # per probe
     ar_time, ar_tokens = 0.0, 0
@@ -217,8 +219,8 @@ def choose_shapes(calibration: Calibration, model: RoundModel | CostCurves) -> S
         draft = costs.static_draft([1] * length)
         chains.append({"chain_length": length, **model.predict(tau, draft, length + 1, length - 1)})
     chain = max(chains, key=lambda r: r["tokens_per_s"])
-    eagle1 = choose_static(calibration, model) if calibration.static is not None else None
-    return ShapeChoice(sweep[0], chain, model.ar_tokens_per_s, sweep, eagle1)
+    static_tree = choose_static(calibration, model) if calibration.static is not None else None
+    return ShapeChoice(sweep[0], chain, model.ar_tokens_per_s, sweep, static_tree)
 
 
 def choose_static(calibration: Calibration, model: RoundModel) -> dict[str, Any]:
@@ -246,7 +248,9 @@ def no_shape_pays(choice: ShapeChoice) -> str | None:
     """One line when the fastest predicted shape of every method (EAGLE-2, chain, static tree) is no faster
     than plain decoding: its prediction against ar's, and the tau or round time it would need to break even
     (tokens/s = tau / round time). None when a shape is predicted to pay."""
-    best = max(filter(None, (choice.eagle2, choice.chain, choice.eagle1)), key=lambda r: r["tokens_per_s"])
+    best = max(
+        filter(None, (choice.dynamic_tree, choice.chain, choice.static_tree)), key=lambda r: r["tokens_per_s"]
+    )
     ar = choice.ar_tokens_per_s
     if best["tokens_per_s"] > ar:
         return None
@@ -292,7 +296,7 @@ def race_shapes(
     summed; measured tokens/s = tokens / those seconds. Returns the candidates with `race_tokens_per_s`,
     `race_tau` and `race_s` added, fastest measured first."""
     decoders = [
-        eagle2_decoder(target, head, (c["depth"], c["top_k"], c["total_tokens"]), max_new_tokens, lean)
+        dynamic_tree_decoder(target, head, (c["depth"], c["top_k"], c["total_tokens"]), max_new_tokens, lean)
         for c in candidates
     ]
     seconds, tokens, rounds = [0.0] * len(decoders), [0] * len(decoders), [[0, 0] for _ in decoders]
@@ -409,7 +413,7 @@ def tune_shapes(
             n, p, r = plan
             race_prompts = [s[0] for s in sequences[:p]]
             choice.race = race_shapes(target, head, race_prompts, candidates[:n], max_new_tokens, r, lean)
-            choice.eagle2 = {k: v for k, v in choice.race[0].items() if not k.startswith("race_")}
+            choice.dynamic_tree = {k: v for k, v in choice.race[0].items() if not k.startswith("race_")}
             race_note = f"{n} shapes x {p} prompts x {r} passes"
     info = {
         "calibration_prompts": len(sequences),

@@ -10,23 +10,24 @@ from omegaconf import OmegaConf
 
 from eagle_train.config.base import CONF_DIR
 
-METHODS = ("ar", "hf", "chain", "eagle1", "eagle2")
+METHODS = ("ar", "hf", "chain", "static_tree", "dynamic_tree")
 PLAIN_METHODS = ("ar", "hf")  # plain decoding: one target forward per token, no head
-SPECULATIVE = ("chain", "eagle1", "eagle2")
+SPECULATIVE = ("chain", "static_tree", "dynamic_tree")
+# the tree methods' former names (EAGLE-1's static tree, EAGLE-2's dynamic one), still accepted as input;
+# results, reports and choices are written under the new names
+METHOD_ALIASES = {"eagle1": "static_tree", "eagle2": "dynamic_tree"}
 SHAPES = ("auto", "fixed")
 AUTO_TREE_BASE = "mc_sim_7b_63"  # decode.tree=auto prunes this tree, extended by the draft's top-1 chain
 # Each method's shape fields and their defaults: a field left null is chosen under decode.shape=auto, else
 # takes its default here (null, not the default value, is what "not given" means: decode.depth=5 pins it).
-SHAPE_DEFAULTS = {"chain": {"chain_length": 4}, "eagle2": {"depth": 5, "top_k": 10, "total_tokens": 60}}
+SHAPE_DEFAULTS = {"chain": {"chain_length": 4}, "dynamic_tree": {"depth": 5, "top_k": 10, "total_tokens": 60}}
 
 
 @dataclass
 class DecodeConfig:
     """One decoding setup for `eagle_train.decoding.decoder.SpeculativeDecoder` (batch size 1)."""
 
-    method: str = (
-        "eagle2"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | eagle1 | eagle2
-    )
+    method: str = "dynamic_tree"  # ar (plain decoding, same cache code) | hf (HF generate) | chain | static_tree | dynamic_tree
     # auto: the chain length and the EAGLE-2 depth / top_k / total_tokens left null are chosen where they
     # decode fastest here, from measured costs and acceptance (eagle_train.autotune.shapes; the evaluate stage
     # resolves them before decoding); a method with one of its fields given keeps the fields it was given
@@ -34,12 +35,14 @@ class DecodeConfig:
     # the fields as given, null ones at their defaults (chain 4; EAGLE-2 depth 5, top_k 10, 60 tokens)
     shape: str = "fixed"
     chain_length: int | None = None  # chain: draft tokens per round (null: 4, or chosen by decode.shape=auto)
-    # eagle1: name of a conf/tree/<name>.yaml file (or a YAML path), or auto: mc_sim_7b_63 plus the draft's
+    # static_tree: name of a conf/tree/<name>.yaml file (or a YAML path), or auto: mc_sim_7b_63 plus the draft's
     # top-1 chain (and its second-best children) to depth 9, pruned to the nodes accepted most often, as many
     # as decode fastest here (eagle_train.autotune.shapes, resolved by the evaluate stage)
     tree: str = "mc_sim_7b_63"
-    tree_paths: Any = None  # eagle1: explicit rank paths; null = read from `tree` when the config is made
-    # eagle2 (null: the default, or chosen by decode.shape=auto): draft forwards per round after the first
+    tree_paths: Any = (
+        None  # static_tree: explicit rank paths; null = read from `tree` when the config is made
+    )
+    # dynamic_tree (null: the default, or chosen by decode.shape=auto): draft forwards per round after the first
     # (tree depth = depth + 1; default 5), nodes expanded per depth and children kept per node (default 10),
     # tree size including the root (default 60)
     depth: int | None = None
@@ -48,7 +51,7 @@ class DecodeConfig:
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling with lossless verification
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off)
     top_k_sampling: int = 0  # sample among the k most likely tokens (0 = off)
-    # chain/eagle1 when sampling: draw children from the draft's q (True, as the reference's EAGLE-1) or take
+    # chain/static_tree when sampling: draw children from the draft's q (True, as the reference's EAGLE-1) or take
     # its top-k (False); both lossless. Measured (scripts/bench_sampling.py, stories260K, trained head): tau
     # +4-11% at temperature 0.7 and +19-25% at 1.0 with children drawn from q, chain and EAGLE-1 trees alike
     sample_children: bool = True
@@ -58,6 +61,7 @@ class DecodeConfig:
     lean_draft: bool = True  # run the draft head through decoding.lean_draft (same numbers, less overhead)
 
     def __post_init__(self) -> None:
+        self.method = method_name(self.method)
         if self.method not in METHODS:
             raise ValueError(f"decode.method must be one of {METHODS}, got {self.method!r}")
         if self.shape not in SHAPES:
@@ -77,7 +81,7 @@ class DecodeConfig:
             raise ValueError(f"decode.depth and decode.top_k must be >= 1, got {self.depth}, {self.top_k}")
         if _below(self.total_tokens, 2):
             raise ValueError(f"decode.total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
-        if self.method == "eagle1" and (self.tree != "auto" or self.tree_paths is not None):
+        if self.method == "static_tree" and (self.tree != "auto" or self.tree_paths is not None):
             # the tree file is read here, once, never by the decoder
             paths = self.tree_paths if self.tree_paths is not None else load_tree_paths(self.tree)
             self.tree_paths = [[int(r) for r in p] for p in paths]
@@ -88,13 +92,18 @@ class DecodeConfig:
 
     @property
     def auto_methods(self) -> tuple[str, ...]:
-        """The methods whose shape is chosen from measured costs: chain and eagle2 under decode.shape=auto,
-        each unless one of its shape fields was given (even at its default value); eagle1 under
+        """The methods whose shape is chosen from measured costs: chain and dynamic_tree under decode.shape=auto,
+        each unless one of its shape fields was given (even at its default value); static_tree under
         decode.tree=auto (until its tree_paths are given)."""
         auto = [m for m, fields in SHAPE_DEFAULTS.items() if all(getattr(self, n) is None for n in fields)]
         if self.tree == "auto" and self.tree_paths is None:
-            auto.append("eagle1")
+            auto.append("static_tree")
         return tuple(auto)
+
+
+def method_name(name: str) -> str:
+    """A decode method's name, a former name (METHOD_ALIASES) given as the current one."""
+    return METHOD_ALIASES.get(name, name)
 
 
 def _below(value: int | None, least: int) -> bool:

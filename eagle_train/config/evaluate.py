@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_train.config.decode import METHODS, PLAIN_METHODS, SHAPE_DEFAULTS, DecodeConfig
+from eagle_train.config.decode import METHODS, PLAIN_METHODS, SHAPE_DEFAULTS, DecodeConfig, method_name
 from eagle_train.config.draft import DraftConfig
 from eagle_train.config.target import TargetConfig
 
@@ -35,7 +35,7 @@ class EvaluateConfig:
     # benchmark names (mt_bench humaneval gsm8k alpaca sum qa tinystories) or JSONL paths; one name or a list
     bench: Any = "mt_bench"
     methods: list[str] = field(
-        default_factory=lambda: ["ar", "chain", "eagle1", "eagle2"]
+        default_factory=lambda: ["ar", "chain", "static_tree", "dynamic_tree"]
     )  # ar is the baseline
     num_questions: int | None = None  # first N questions per benchmark (null = all)
     max_turns: int | None = None  # first N turns per question (null = all; mt_bench has 2)
@@ -107,6 +107,7 @@ class EvaluateConfig:
         self.bench = [str(b) for b in self.bench]
         if not self.bench:
             raise ValueError("bench: name at least one benchmark")
+        self.methods = [method_name(str(m)) for m in self.methods]
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"methods must be a non-empty list of {METHODS}, got {self.methods}")

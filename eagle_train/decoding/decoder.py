@@ -5,7 +5,7 @@ Public API (batch size 1):
     from eagle_train.config.decode import DecodeConfig
     from eagle_train.decoding.decoder import SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(target, head, DecodeConfig(method="eagle2", depth=4, top_k=4, total_tokens=16))
+    decoder = SpeculativeDecoder(target, head, DecodeConfig(method="dynamic_tree", depth=4, top_k=4, total_tokens=16))
     result = decoder.generate(prompt_ids)          # list[int] or LongTensor [seq] / [1, seq]
     result.tokens                                   # generated ids (stop token included), list[int]
     result.stop_reason                              # "stop_token" | "stop_string" | "max_new_tokens" | "context"
@@ -16,10 +16,10 @@ on a static KV cache); `head` a `DraftModel` (`DraftHead` with the target's embe
 or `Eagle3Head`: it reads the target's aux features, which `decode` returns for its `aux_layers`, and
 drafts over a reduced vocabulary, its ids mapped to target ids through `vocab_map`; None for `ar`).
 Methods: `ar` plain decoding in this harness (same cache code, one target forward per
-token), `chain`, `eagle1` (the static tree `cfg.tree_paths`), `eagle2` (dynamic tree). The method is
+token), `chain`, `static_tree` (the static tree `cfg.tree_paths`), `dynamic_tree` (dynamic tree). The method is
 chosen once, at construction. A P-EAGLE head (`PEagleHead`) drafts every method's tree in ONE draft forward
 per round (the catch-up with its placeholders, `decoding.drafter`): `chain` is the chain vLLM drafts with
-`parallel_drafting`, `eagle1` / `eagle2` trees built from the same forward's per-depth distributions. temperature 0 = greedy: the output equals `ar` token for token (in float32;
+`parallel_drafting`, `static_tree` / `dynamic_tree` trees built from the same forward's per-depth distributions. temperature 0 = greedy: the output equals `ar` token for token (in float32;
 below it, up to near-ties: `decoding.identity`);
 temperature > 0: lossless rejection sampling (`decoding.verify`), the output is distributed as the
 target's. Hugging Face `generate`, the second baseline, lives outside this pure decoder
@@ -139,8 +139,10 @@ class SpeculativeDecoder:
     """Decode with a target and a draft head according to a `DecodeConfig` (see the module docstring)."""
 
     def __init__(self, target: TargetModel, head: DraftModel | None, cfg: DecodeConfig):
-        if cfg.method not in ("ar", "chain", "eagle1", "eagle2"):
-            raise ValueError(f"SpeculativeDecoder runs ar, chain, eagle1 and eagle2, not {cfg.method!r}")
+        if cfg.method not in ("ar", "chain", "static_tree", "dynamic_tree"):
+            raise ValueError(
+                f"SpeculativeDecoder runs ar, chain, static_tree and dynamic_tree, not {cfg.method!r}"
+            )
         if cfg.speculative and head is None:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
         if cfg.method in cfg.auto_methods:
@@ -156,19 +158,19 @@ class SpeculativeDecoder:
         self._expand: Callable[[int, torch.Tensor, Drafter, int], Tree] | None = None
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
         self.min_room = 1  # draft positions a round needs before the context limit
-        if cfg.method in ("chain", "eagle1"):
+        if cfg.method in ("chain", "static_tree"):
             paths = chain_paths(cfg.chain_length) if cfg.method == "chain" else cfg.tree_paths
             self.shape = shape_from_paths(paths)
             self._plans = {self.shape.max_depth: plan_static(self.shape, self.device)}
             self.tree_nodes = self.tree_inputs = self.shape.size
             self._expand = self._expand_static
-        elif cfg.method == "eagle2":
+        elif cfg.method == "dynamic_tree":
             self.tree_nodes, self.tree_inputs = cfg.total_tokens, cfg.top_k * cfg.depth
             self._expand = self._expand_dynamic
             self.min_room = 2  # the dynamic tree is depth + 1 deep with depth >= 1
         depth = 0  # ar: no draft forward
         if cfg.speculative:
-            depth = self.shape.max_depth if cfg.method in ("chain", "eagle1") else cfg.depth + 1
+            depth = self.shape.max_depth if cfg.method in ("chain", "static_tree") else cfg.depth + 1
         self.parallel = parallel_slots(head, depth)  # P-EAGLE's placeholders per draft forward
         self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
 
@@ -358,7 +360,7 @@ class SpeculativeDecoder:
 
 
 def parallel_slots(head: DraftModel | None, tree_depth: int) -> int:
-    """A head's placeholders per draft forward for trees up to `tree_depth` deep (a chain of K: K; eagle2:
+    """A head's placeholders per draft forward for trees up to `tree_depth` deep (a chain of K: K; dynamic_tree:
     depth + 1) when it drafts in its catch-up (P-EAGLE: `drafts_in_catch_up`): one per depth after the
     first; 0 for other heads. The one home of that rule."""
     return max(tree_depth - 1, 0) if getattr(head, "drafts_in_catch_up", False) else 0

@@ -35,8 +35,8 @@ from eagle_train.training.loss import eagle_loss_sums
 NEAR_TIE_ULPS = 4  # as EvaluateConfig.near_tie_ulps
 METHODS = {
     "chain": DecodeConfig(method="chain", chain_length=4),
-    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
-    "eagle2": DecodeConfig(method="eagle2", depth=5, top_k=10, total_tokens=60),
+    "static_tree": DecodeConfig(method="static_tree", tree="mc_sim_7b_63"),
+    "dynamic_tree": DecodeConfig(method="dynamic_tree", depth=5, top_k=10, total_tokens=60),
 }
 
 
@@ -181,25 +181,25 @@ def flash_attention_decoding(target_cfg: TargetConfig, device: str = "cuda") -> 
     )
     same = [_tree_logits(t, prompt, continuation) for t in (sdpa, flash)]
     head = random_head(flash)
-    eagle2 = replace(METHODS["eagle2"], max_new_tokens=64)
-    ar_tokens = SpeculativeDecoder(flash, None, replace(eagle2, method="ar")).generate(prompt).tokens
-    spec_tokens = SpeculativeDecoder(flash, head, eagle2).generate(prompt).tokens
+    dynamic_tree = replace(METHODS["dynamic_tree"], max_new_tokens=64)
+    ar_tokens = SpeculativeDecoder(flash, None, replace(dynamic_tree, method="ar")).generate(prompt).tokens
+    spec_tokens = SpeculativeDecoder(flash, head, dynamic_tree).generate(prompt).tokens
     result = {
         "emulated": emulated,
         "decode_attention": flash.decode_attention,
         "restored": flash.attention == "flash_attention_2",
         "tree_logits_equal_sdpa": bool(torch.equal(same[0], same[1])),
-        "eagle2_vs_ar": answer_kind(flash, prompt, ar_tokens, spec_tokens),
+        "dynamic_tree_vs_ar": answer_kind(flash, prompt, ar_tokens, spec_tokens),
     }
     if not emulated:
         result["hf_generate_tokens"] = len(
-            HFGenerate(flash, replace(eagle2, method="hf")).generate(prompt).tokens
+            HFGenerate(flash, replace(dynamic_tree, method="hf")).generate(prompt).tokens
         )
     result["ok"] = (
         result["decode_attention"] == "sdpa"
         and result["restored"]
         and result["tree_logits_equal_sdpa"]
-        and result["eagle2_vs_ar"] != "divergence"
+        and result["dynamic_tree_vs_ar"] != "divergence"
         and result.get("hf_generate_tokens", 1) > 0
     )
     return result

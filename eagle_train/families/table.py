@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from eagle_train.families.specs import not_served
 
-METHODS = ("ar", "chain", "eagle1", "eagle2")  # the built-in methods whose greedy identity the tables count
+METHODS = (
+    "ar",
+    "chain",
+    "static_tree",
+    "dynamic_tree",
+)  # the built-in methods whose greedy identity the tables count
 
 
 def _not_served(res: dict | None) -> bool:
@@ -27,7 +32,8 @@ def decoder_cell(res: dict | None) -> str:
         return error
     tau, ident = res["tau"], res["identity"]
     parts = [
-        f"tau chain {tau.get('chain', '-')} / eagle1 {tau.get('eagle1', '-')} / eagle2 {tau.get('eagle2', '-')}"
+        f"tau chain {tau.get('chain', '-')} / static tree {tau.get('static_tree', '-')} / dynamic tree "
+        f"{tau.get('dynamic_tree', '-')}"
     ]
     for method in METHODS:
         hf, ar = ident[method]["hf"], ident[method]["ar"]
@@ -168,7 +174,7 @@ def summary_markdown(results: list[dict]) -> str:
             "ok" if r.get("build", {}).get("ok") and all((s or {}).get("ok") for s in stages) else "FAILED"
         )
         evals = [r.get(f"eval_{h}") for h in ("eagle1", "eagle3")]
-        tau = [str(e["tau"].get("eagle2", "-")) if (e or {}).get("ok") else "-" for e in evals]
+        tau = [str(e["tau"].get("dynamic_tree", "-")) if (e or {}).get("ok") else "-" for e in evals]
         vllm = [_vllm(r.get(f"vllm_{h}")) for h in ("eagle1", "eagle3")]
         lines.append(
             f"| {r['family']} | {built} | {' / '.join(_identity(e) for e in evals)} | {' / '.join(tau)} "

@@ -13,9 +13,9 @@ SWEEP_ROWS = 5  # fastest predicted shapes listed per benchmark
 
 
 def _label(method: str, fields: dict[str, int]) -> str:
-    if method == "eagle2":
+    if method == "dynamic_tree":
         return f"depth {fields['depth']} / top_k {fields['top_k']} / {fields['total_tokens']} tokens"
-    if method == "eagle1":
+    if method == "static_tree":
         return f"{len(fields['tree_paths']) + 1} nodes, depth {max(len(p) for p in fields['tree_paths'])}"
     return f"{fields['chain_length']} drafts"
 
@@ -153,7 +153,7 @@ def plot_costs(tuning: dict[str, dict], out: Path) -> Path:
 
     fig, axes = plt.subplots(len(tuning), 3, figsize=(13.5, 3.5 * len(tuning)), squeeze=False)
     for row, (bench, tuned) in zip(axes, tuning.items(), strict=True):
-        costs, chosen = tuned["costs"], tuned["choice"]["eagle2"]
+        costs, chosen = tuned["costs"], tuned["choice"]["dynamic_tree"]
         verify = [s * 1e3 for s in costs["verify_s"]]
         row[0].plot(range(1, len(verify) + 1), verify, marker=".")
         row[0].axvline(chosen["total_tokens"], color="gray", linestyle="--", linewidth=1)

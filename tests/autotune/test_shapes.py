@@ -57,7 +57,7 @@ def decoded_tau(target, head, prompts, **shape) -> float:
 def test_replayed_tau_is_the_decoders_tau(target, trained_head, prompts, calibration, depth, top_k, total):
     replayed = replay_tau(calibration.accepted[top_k][:, depth - 1, total - 2 : total - 1], calibration.spans)
     measured = decoded_tau(
-        target, trained_head, prompts, method="eagle2", depth=depth, top_k=top_k, total_tokens=total
+        target, trained_head, prompts, method="dynamic_tree", depth=depth, top_k=top_k, total_tokens=total
     )
     assert float(replayed[0]) == pytest.approx(measured, abs=1e-9)
 
@@ -76,10 +76,12 @@ def test_the_pruned_static_tree_replays_as_the_decoder_decodes(
     target, trained_head, prompts, calibration, costs
 ):
     choice = choose_shapes(calibration, costs)
-    paths = choice.eagle1["tree_paths"]
-    assert len(paths) + 1 == choice.eagle1["nodes"] and all(p[:-1] in paths or len(p) == 1 for p in paths)
-    measured = decoded_tau(target, trained_head, prompts, method="eagle1", tree="auto", tree_paths=paths)
-    assert choice.eagle1["tau"] == pytest.approx(measured, abs=1e-9)
+    paths = choice.static_tree["tree_paths"]
+    assert len(paths) + 1 == choice.static_tree["nodes"] and all(
+        p[:-1] in paths or len(p) == 1 for p in paths
+    )
+    measured = decoded_tau(target, trained_head, prompts, method="static_tree", tree="auto", tree_paths=paths)
+    assert choice.static_tree["tau"] == pytest.approx(measured, abs=1e-9)
     # the candidates: mc_sim_7b_63 and the top-1 chain (with second-best children) to depth 5
     assert len(calibration.static.paths) - 1 == len(auto_tree_paths(load_tree_paths("mc_sim_7b_63"), 4))
     assert (0, 0, 0, 0, 0) in calibration.static.paths and (0, 0, 0, 0, 1) in calibration.static.paths
@@ -89,7 +91,7 @@ def test_the_choice_is_the_argmax_of_its_own_model(calibration, costs):
     model = RoundModel(costs, draft_scale=1.5, verify_scale=0.8, other_s=2e-4, ar_token_s=3e-3)
     choice = choose_shapes(calibration, model)
     best = max(choice.sweep, key=lambda r: r["tokens_per_s"])
-    assert choice.eagle2 == best == choice.sweep[0]
+    assert choice.dynamic_tree == best == choice.sweep[0]
     for row in choice.sweep[:: max(1, len(choice.sweep) // 40)]:  # every prediction is the model's own
         again = model.predict(row["tau"], costs.expand(row["depth"], row["top_k"]), row["total_tokens"])
         assert row["tokens_per_s"] == pytest.approx(again["tokens_per_s"])
@@ -105,7 +107,7 @@ def test_the_choice_is_the_argmax_of_its_own_model(calibration, costs):
     shapes = {(r["depth"], r["top_k"], r["total_tokens"]) for r in choice.sweep}
     assert (4, 4, 24) in shapes and (1, 1, 3) in shapes and (1, 1, 4) not in shapes  # 2 candidates
     assert choice.ar_tokens_per_s == pytest.approx(1 / 3e-3)
-    assert choice.decode_fields("eagle2") == {k: best[k] for k in ("depth", "top_k", "total_tokens")}
+    assert choice.decode_fields("dynamic_tree") == {k: best[k] for k in ("depth", "top_k", "total_tokens")}
 
 
 def test_a_head_that_cannot_pay_is_said_to_in_one_line(calibration, costs):
@@ -113,12 +115,12 @@ def test_a_head_that_cannot_pay_is_said_to_in_one_line(calibration, costs):
     tau or round time it would need to break even (tokens/s = tau / round time); a shape that pays: None."""
     model = RoundModel(costs, ar_token_s=costs.verify(1))
     paying = choose_shapes(calibration, model)
-    assert paying.eagle2["tokens_per_s"] > paying.ar_tokens_per_s and no_shape_pays(paying) is None
-    fastest = max(r["tokens_per_s"] for r in (paying.eagle2, paying.chain, paying.eagle1))
+    assert paying.dynamic_tree["tokens_per_s"] > paying.ar_tokens_per_s and no_shape_pays(paying) is None
+    fastest = max(r["tokens_per_s"] for r in (paying.dynamic_tree, paying.chain, paying.static_tree))
     ar_s = 1 / (1.2 * fastest)  # plain decoding 1.2x the fastest shape's predicted tokens/s
     losing = choose_shapes(calibration, replace(model, ar_token_s=ar_s))
     verdict = no_shape_pays(losing)
-    best = max((losing.eagle2, losing.chain, losing.eagle1), key=lambda r: r["tokens_per_s"])
+    best = max((losing.dynamic_tree, losing.chain, losing.static_tree), key=lambda r: r["tokens_per_s"])
     round_s = sum(best["round_s"].values())
     assert verdict.startswith("no shape is predicted to beat plain decoding: the fastest, ")
     assert f"against ar's {1 / ar_s:.1f} (0.83x)" in verdict
@@ -152,7 +154,7 @@ def test_the_race_times_the_real_decoder_and_ranks_by_what_it_measured(target, t
         assert r["tokens_per_s"] == (1.0 if r["depth"] == 3 else 2.0)
         shape = {"depth": r["depth"], "top_k": r["top_k"], "total_tokens": r["total_tokens"]}
         assert r["race_tau"] == pytest.approx(
-            decoded_tau(target, trained_head, prompts, method="eagle2", **shape)
+            decoded_tau(target, trained_head, prompts, method="dynamic_tree", **shape)
         )
         # tokens / seconds: every prompt decodes NEW tokens, the first of them from the prefill
         assert r["race_tokens_per_s"] == pytest.approx(len(prompts) * (NEW - 1) / r["race_s"])
@@ -220,39 +222,41 @@ def test_tune_shapes_end_to_end_reuses_its_cache(target, trained_head, prompts, 
         target, trained_head, prompts[:2], 16, tmp_path, max_depth=3, max_k=3, max_nodes=16, repeats=1
     )
     assert not info["costs_reused"] and (tmp_path / info["costs_file"].split("/")[-1]).is_file()
-    assert choice.eagle2["depth"] <= 3 and choice.eagle2["total_tokens"] <= 16
+    assert choice.dynamic_tree["depth"] <= 3 and choice.dynamic_tree["total_tokens"] <= 16
     # the race settled the EAGLE-2 choice: its fastest measured candidate, each a predicted shape
     assert len(choice.race) >= 2 and info["race_s"] > 0
     shape = lambda r: (r["depth"], r["top_k"], r["total_tokens"])  # noqa: E731
-    assert shape(choice.eagle2) == shape(choice.race[0])
+    assert shape(choice.dynamic_tree) == shape(choice.race[0])
     assert {shape(r) for r in choice.race} <= {shape(r) for r in choice.sweep}
     _, _, again = tune_shapes(
         target, trained_head, prompts[:2], 16, tmp_path, max_depth=3, max_k=3, max_nodes=16, repeats=1
     )
     assert again["costs_reused"] and again["costs_file"] == info["costs_file"]
     # the chosen shape decodes with greedy identity
-    fields = choice.decode_fields("eagle2")
+    fields = choice.decode_fields("dynamic_tree")
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=16))
     tree = SpeculativeDecoder(
-        target, trained_head, DecodeConfig(method="eagle2", max_new_tokens=16, **fields)
+        target, trained_head, DecodeConfig(method="dynamic_tree", max_new_tokens=16, **fields)
     )
     for p in prompts:
         assert tree.generate(p).tokens == ar.generate(p).tokens
 
 
 def test_auto_shapes_are_refused_by_the_decoder_and_kept_where_set(target, trained_head):
-    cfg = DecodeConfig(method="eagle2", shape="auto")
-    assert cfg.auto_methods == ("chain", "eagle2")
+    cfg = DecodeConfig(method="dynamic_tree", shape="auto")
+    assert cfg.auto_methods == ("chain", "dynamic_tree")
     with pytest.raises(ValueError, match="decode.shape=auto"):
         SpeculativeDecoder(target, trained_head, cfg)
     assert DecodeConfig(shape="auto", depth=3).auto_methods == ("chain",)
-    assert DecodeConfig(shape="auto", chain_length=2).auto_methods == ("eagle2",)
+    assert DecodeConfig(shape="auto", chain_length=2).auto_methods == ("dynamic_tree",)
     assert DecodeConfig(shape="fixed").auto_methods == ()
-    assert DecodeConfig(tree="auto").auto_methods == ("eagle1",)
+    assert DecodeConfig(tree="auto").auto_methods == ("static_tree",)
     assert DecodeConfig(tree="auto", tree_paths=[[0]]).auto_methods == ()
     with pytest.raises(ValueError, match="decode.shape=auto"):
-        SpeculativeDecoder(target, trained_head, DecodeConfig(method="eagle1", tree="auto"))
-    SpeculativeDecoder(target, trained_head, DecodeConfig(method="eagle1", shape="auto"))  # not tuned: fine
+        SpeculativeDecoder(target, trained_head, DecodeConfig(method="static_tree", tree="auto"))
+    SpeculativeDecoder(
+        target, trained_head, DecodeConfig(method="static_tree", shape="auto")
+    )  # not tuned: fine
     with pytest.raises(ValueError, match="decode.shape"):
         DecodeConfig(shape="big")
 
@@ -270,20 +274,27 @@ def test_eagle3_heads_are_tuned_too(target, trained_eagle3_head, prompts, tmp_pa
             calibration.accepted[top_k][:, depth - 1, total - 2 : total - 1], calibration.spans
         )
         decoded = decoded_tau(
-            target, head, prompts, method="eagle2", depth=depth, top_k=top_k, total_tokens=total
+            target, head, prompts, method="dynamic_tree", depth=depth, top_k=top_k, total_tokens=total
         )
         assert float(replayed[0]) == pytest.approx(decoded, abs=1e-9)
     costs = measure_costs(target, head, 32, max_nodes=16, max_depth=3, max_k=3, repeats=1)
     choice = choose_shapes(calibration, costs)
-    assert choice.eagle1["tau"] == pytest.approx(
+    assert choice.static_tree["tau"] == pytest.approx(
         decoded_tau(
-            target, head, prompts, method="eagle1", tree="auto", tree_paths=choice.eagle1["tree_paths"]
+            target,
+            head,
+            prompts,
+            method="static_tree",
+            tree="auto",
+            tree_paths=choice.static_tree["tree_paths"],
         ),
         abs=1e-9,
     )
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=NEW))
     tree = SpeculativeDecoder(
-        target, head, DecodeConfig(method="eagle2", max_new_tokens=NEW, **choice.decode_fields("eagle2"))
+        target,
+        head,
+        DecodeConfig(method="dynamic_tree", max_new_tokens=NEW, **choice.decode_fields("dynamic_tree")),
     )
     for p in prompts:
         assert tree.generate(p).tokens == ar.generate(p).tokens
@@ -303,7 +314,7 @@ def test_peagle_chains_are_replayed_and_costed_as_one_forward(target, trained_pe
         decoded = decoded_tau(target, head, prompts, method="chain", chain_length=length)
         assert float(replay_tau(column, calibration.spans)[0]) == pytest.approx(decoded, abs=1e-9)
     replayed = replay_tau(calibration.accepted[2][:, 2, 8:9], calibration.spans)  # depth 3, top_k 2, 10 nodes
-    decoded = decoded_tau(target, head, prompts, method="eagle2", depth=3, top_k=2, total_tokens=10)
+    decoded = decoded_tau(target, head, prompts, method="dynamic_tree", depth=3, top_k=2, total_tokens=10)
     assert float(replayed[0]) == pytest.approx(decoded, abs=1e-9)
     costs = measure_costs(target, head, 32, max_nodes=12, max_depth=4, max_k=2, repeats=1)
     assert costs.parallel and len(costs.catch_up_s) == 2 * 4 + 2 and costs.key["head_kind"] == "peagle"

@@ -14,16 +14,28 @@ from eagle_train.decoding.tree import shape_from_paths
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "tree").glob("*.yaml")))
 def test_every_shipped_tree_composes(name):
-    cfg = to_schema({"method": "eagle1", "tree": name}, DecodeConfig)
+    cfg = to_schema({"method": "static_tree", "tree": name}, DecodeConfig)
     assert shape_from_paths(cfg.tree_paths).size == len(load_tree_paths(name)) + 1
 
 
 def test_the_tree_is_read_when_the_config_is_made():
-    """The decoder never reads YAML: an eagle1 config carries its paths; explicit paths win."""
-    assert DecodeConfig(method="eagle1").tree_paths == load_tree_paths("mc_sim_7b_63")
-    assert DecodeConfig(method="eagle2").tree_paths is None
-    cfg = to_schema({"method": "eagle1", "tree_paths": [[0], [1], [0, 0]]}, DecodeConfig)
+    """The decoder never reads YAML: a static_tree config carries its paths; explicit paths win."""
+    assert DecodeConfig(method="static_tree").tree_paths == load_tree_paths("mc_sim_7b_63")
+    assert DecodeConfig(method="dynamic_tree").tree_paths is None
+    cfg = to_schema({"method": "static_tree", "tree_paths": [[0], [1], [0, 0]]}, DecodeConfig)
     assert cfg.tree_paths == [[0], [1], [0, 0]]
+
+
+def test_the_former_tree_method_names_are_read_as_the_current_ones():
+    """eagle1 / eagle2 (the methods' former names) still select the static and the dynamic tree, and what
+    the config then holds, and so every result written from it, carries the current names."""
+    assert DecodeConfig(method="eagle1").method == "static_tree"
+    assert DecodeConfig(method="eagle1").tree_paths == load_tree_paths("mc_sim_7b_63")
+    assert to_schema({"method": "eagle2", "depth": 3}, DecodeConfig).method == "dynamic_tree"
+    cfg = to_schema(compose("evaluate", ["methods=[ar,eagle1,eagle2]", "draft.path=x"]), EvaluateConfig)
+    assert cfg.methods == ["ar", "static_tree", "dynamic_tree"]
+    with pytest.raises(ValueError, match="decode.method must be one of"):
+        DecodeConfig(method="eagle3")  # a head kind, not a decode method
 
 
 @pytest.mark.parametrize(
@@ -50,7 +62,7 @@ def test_unknown_tree_names_the_shipped_ones(tmp_path):
         load_tree_paths(str(bad))
 
 
-def test_sampling_draws_chain_and_eagle1_children_from_the_draft_by_default():
+def test_sampling_draws_chain_and_static_tree_children_from_the_draft_by_default():
     """The default chosen by acceptance (scripts/bench_sampling.py: children drawn from q accepted more
     than the top-k at temperature 0.7 and 1.0, chain and EAGLE-1 alike); greedy decoding ignores it."""
     assert DecodeConfig().sample_children is True
@@ -60,11 +72,11 @@ def test_sampling_draws_chain_and_eagle1_children_from_the_draft_by_default():
 @pytest.mark.parametrize(
     "given, auto",
     [
-        ([], ("chain", "eagle2", "eagle1")),
-        (["decode.depth=5"], ("chain", "eagle1")),  # the default value, given: EAGLE-2 pinned
-        (["decode.chain_length=4"], ("eagle2", "eagle1")),
+        ([], ("chain", "dynamic_tree", "static_tree")),
+        (["decode.depth=5"], ("chain", "static_tree")),  # the default value, given: EAGLE-2 pinned
+        (["decode.chain_length=4"], ("dynamic_tree", "static_tree")),
         (["decode.total_tokens=60", "decode.tree=mc_sim_7b_63"], ("chain",)),
-        (["decode.shape=fixed"], ("eagle1",)),
+        (["decode.shape=fixed"], ("static_tree",)),
     ],
 )
 def test_a_shape_field_given_is_honoured_even_at_its_default(given, auto):
@@ -72,7 +84,7 @@ def test_a_shape_field_given_is_honoured_even_at_its_default(given, auto):
     shape even when it equals the default (the method's other fields take their defaults)."""
     cfg = to_schema(compose("evaluate", ["draft.path=x", *given]), EvaluateConfig)
     assert cfg.decode.auto_methods == auto
-    if "eagle2" not in auto:
+    if "dynamic_tree" not in auto:
         assert (cfg.decode.depth, cfg.decode.top_k, cfg.decode.total_tokens) == (5, 10, 60)
     assert DecodeConfig(shape="auto", depth=5).auto_methods == ("chain",)
     assert DecodeConfig(shape="auto", depth=5, top_k=4).total_tokens == 60

@@ -25,8 +25,8 @@ from tests.conftest import DATA
 
 SPEC = {
     "chain": DecodeConfig(method="chain", chain_length=4),
-    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63"),
-    "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16),
+    "eagle1": DecodeConfig(method="static_tree", tree="mc_sim_7b_63"),
+    "eagle2": DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=16),
 }
 
 

@@ -25,9 +25,9 @@ CONFIGS = {
     "ar": DecodeConfig(method="ar"),
     "chain": DecodeConfig(method="chain", chain_length=3, sample_children=False),
     "chain_sampled": DecodeConfig(method="chain", chain_length=3, sample_children=True),
-    "eagle1": DecodeConfig(method="eagle1", tree="mc_sim_7b_63", sample_children=False),
-    "eagle1_sampled": DecodeConfig(method="eagle1", tree="mc_sim_7b_63", sample_children=True),
-    "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16),
+    "eagle1": DecodeConfig(method="static_tree", tree="mc_sim_7b_63", sample_children=False),
+    "eagle1_sampled": DecodeConfig(method="static_tree", tree="mc_sim_7b_63", sample_children=True),
+    "eagle2": DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=16),
 }
 
 

@@ -15,7 +15,7 @@ from tests.decoding.test_decoder import prompts
 METHODS = {
     "ar": DecodeConfig(method="ar", max_new_tokens=24),
     "chain": DecodeConfig(method="chain", chain_length=3, max_new_tokens=24),
-    "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=24),
+    "eagle2": DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=12, max_new_tokens=24),
 }
 
 

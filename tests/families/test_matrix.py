@@ -1,6 +1,6 @@
 """Every family (eagle_train.families.specs) through every stage on its tiny instance and real tokenizer:
 regenerate, extract (EAGLE-1 + EAGLE-3 features), train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate
-each with hf, ar, chain, eagle1, eagle2 on prompts + answers longer than the 16-token windows: every greedy
+each with hf, ar, chain, static_tree, dynamic_tree on prompts + answers longer than the 16-token windows: every greedy
 answer identical to the MODEL's own
 `generate` (hf) and to ar, EAGLE-2 accepting several tokens per round; a family the built-in decoder cannot
 verify exactly is refused, by name. Plus one lossless-sampling check per family (chi-square, the helper of
@@ -29,7 +29,7 @@ from tests.chi_square import exact_joint, sequence_chi_square_p
 from tests.conftest import USER_CACHE
 
 pytestmark = pytest.mark.slow
-SPECULATIVE = ("chain", "eagle1", "eagle2")
+SPECULATIVE = ("chain", "static_tree", "dynamic_tree")
 JOBS = 2
 RUNS = 400  # seeded generations per family: about 0.13 s each at a 151k vocabulary (LM heads), 1 thread
 # EAGLE_TRAIN_FAMILIES=llama3,gemma3 runs only those (default: every family)
@@ -73,7 +73,7 @@ def test_every_stage(name, matrix_work):
             for ref in ("hf", "ar"):
                 same = identity[method][ref]
                 assert same["same"] == same["of"] == QUESTIONS, f"{name} {head} {method} vs {ref}: {same}"
-        assert evaluation["tau"]["eagle2"] >= 2.0, f"{name} {head}: {evaluation['tau']}"
+        assert evaluation["tau"]["dynamic_tree"] >= 2.0, f"{name} {head}: {evaluation['tau']}"
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if not FAMILIES[n].refused])
@@ -91,7 +91,7 @@ def test_sampling_is_lossless(name, matrix_work):
         [{"role": "user", "content": "Once upon a time, there was a little dog."}]
     )
     joint = exact_joint(target, prompt, top_k=3, tokens=3)
-    cfg = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16)
+    cfg = DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=16)
     decoder = SpeculativeDecoder(
         target, head, replace(cfg, temperature=1.0, top_k_sampling=3, max_new_tokens=3, seed=11)
     )

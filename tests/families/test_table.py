@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eagle_train.families.table import matrix_markdown, summary_markdown
 
-METHODS = ("ar", "chain", "eagle1", "eagle2")
+METHODS = ("ar", "chain", "static_tree", "dynamic_tree")
 
 
 def evaluation(same: dict[str, int]) -> dict:
@@ -15,7 +15,7 @@ def evaluation(same: dict[str, int]) -> dict:
     }
     return {
         "ok": True,
-        "tau": {"chain": 2.5, "eagle1": 3.5, "eagle2": 3.25},
+        "tau": {"chain": 2.5, "static_tree": 3.5, "dynamic_tree": 3.25},
         "identity": identity,
         "wall_s": 1.0,
     }
@@ -55,7 +55,7 @@ def test_the_summary_shows_the_worst_answer_count_and_every_kind_of_failure():
         [
             result(
                 "good",
-                eval_eagle1=evaluation({"eagle2": 3}),
+                eval_eagle1=evaluation({"dynamic_tree": 3}),
                 eval_eagle3=evaluation({}),
                 vllm_eagle1=vllm_run([1, 2], [1, 2]),
                 vllm_eagle3=vllm_run([1, 3], [1, 2]),

@@ -231,7 +231,7 @@ def test_reference_and_specforge_heads_import_with_the_reference_layers(target, 
 
     prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
     ar = SpeculativeDecoder(target, None, DecodeConfig(method="ar", max_new_tokens=24)).generate(prompt)
-    tree = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=24)
+    tree = DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=12, max_new_tokens=24)
     assert SpeculativeDecoder(target, imported, tree).generate(prompt).tokens == ar.tokens
 
 

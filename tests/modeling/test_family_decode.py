@@ -106,7 +106,7 @@ def test_family_decodes_as_the_model_itself(family):
         reference = generate(target, prompt)
         assert decode(target, None, "ar", prompt) == reference, f"{name}: ar differs from generate"
         for head in (eagle1.eval(), eagle3.eval()):
-            assert decode(target, head, "eagle2", prompt) == reference, f"{name}: eagle2 differs"
+            assert decode(target, head, "dynamic_tree", prompt) == reference, f"{name}: dynamic tree differs"
 
 
 @pytest.mark.parametrize("name", WINDOWED)

@@ -217,7 +217,9 @@ def test_the_real_chat_model_decodes_as_its_own_generate(smollm2_dir):
     methods = {
         "ar": DecodeConfig(method="ar", max_new_tokens=REPLIES),
         "chain": DecodeConfig(method="chain", chain_length=4, max_new_tokens=REPLIES),
-        "eagle2": DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=12, max_new_tokens=REPLIES),
+        "eagle2": DecodeConfig(
+            method="dynamic_tree", depth=3, top_k=4, total_tokens=12, max_new_tokens=REPLIES
+        ),
     }
     for prompt in [*fitted, held_out]:
         reference = hf.generate(prompt).tokens

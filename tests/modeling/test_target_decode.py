@@ -87,7 +87,7 @@ def test_flash_attention_target_decodes_through_sdpa(target_cfg, target):
     assert flash.model.config._attn_implementation == "flash_attention_2"  # restored after each forward
     prompt = prefix[0].tolist()
     ar = SpeculativeDecoder(flash, None, DecodeConfig(method="ar", max_new_tokens=30)).generate(prompt)
-    eagle2 = DecodeConfig(method="eagle2", depth=3, top_k=4, total_tokens=16, max_new_tokens=30)
+    eagle2 = DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=16, max_new_tokens=30)
     from eagle_train.modeling.draft import DraftHead
 
     head = DraftHead.from_target(flash.config)
