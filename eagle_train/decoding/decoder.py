@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle_train.config.decode import DecodeConfig
+from eagle_train.config.decode import SPECULATIVE, DecodeConfig
 from eagle_train.decoding.drafter import Drafter
 from eagle_train.decoding.expand import expand_dynamic, expand_parallel, expand_static, plan_static
 from eagle_train.decoding.kv_cache import StaticKVCache
@@ -139,10 +139,8 @@ class SpeculativeDecoder:
     """Decode with a target and a draft head according to a `DecodeConfig` (see the module docstring)."""
 
     def __init__(self, target: TargetModel, head: DraftModel | None, cfg: DecodeConfig):
-        if cfg.method not in ("ar", "chain", "static_tree", "dynamic_tree"):
-            raise ValueError(
-                f"SpeculativeDecoder runs ar, chain, static_tree and dynamic_tree, not {cfg.method!r}"
-            )
+        if cfg.method not in ("ar", *SPECULATIVE):
+            raise ValueError(f"SpeculativeDecoder runs ar and {', '.join(SPECULATIVE)}, not {cfg.method!r}")
         if cfg.speculative and head is None:
             raise ValueError(f"decode.method={cfg.method!r} needs a draft head")
         if cfg.method in cfg.auto_methods:

@@ -8,7 +8,7 @@ A kind's model class (eagle_train.modeling) states the drafting contract and rec
 (modeling.head_checkpoint.HEAD_MODELS lists the classes); its module here adds what the training and
 export stages ask of it. A new kind is its model class plus one module here and one entry in `KINDS`
 (and its name in config.draft.DRAFT_TYPES, which the configuration validates against);
-tests/test_head_kinds.py checks the three agree.
+tests/heads/test_registry.py checks the three agree.
 """
 
 from __future__ import annotations
