@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 ARGS ?=
-# pytest worker processes for make test / test-fast (pytest-xdist; whole files per worker, so a file's fixtures
+# pytest worker processes for make test / test-fast / test-engines (pytest-xdist; whole files per worker, so a file's fixtures
 # are built once): 2 for the 2-core CPU machines this project is tested on; 0 runs them in this process
 TEST_JOBS ?= 2
 EXPERIMENT ?= tiny_cpu
@@ -47,7 +47,7 @@ test-fast: setup ## Quick tier: unit tests only (skips `slow`)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not gpu and not slow and not engine" $(ARGS)
 
 test-engines: setup vllm-env ## A real vLLM runs exported heads and must agree with the built-in decoder (about 20 min on 2 cores)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -rA -m engine tests/engines $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -rA -n $(TEST_JOBS) --dist loadfile -m engine tests/engines $(ARGS)
 
 lint: setup ## ruff check and ruff format --check over the package, scripts and tests
 	$(PY) -m ruff check eagle_train scripts tests train.py

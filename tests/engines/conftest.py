@@ -2,7 +2,9 @@
 small head trained here (reused from runs/engine_tests/ on a rerun), its exports, and the prompts.
 
 Everything is written under runs/engine_tests/ inside the repository (gitignored): nothing is cached
-outside it, so a fresh clone trains the head once (about three minutes on 2 cores)."""
+outside it, so a fresh clone trains the head once (about three minutes on 2 cores). `make test-engines` runs
+two pytest workers (whole files each): what several files share (the head_dim-32 target, the trained heads) is
+built by the first worker that needs it while the others wait for it (`shared`), never twice at once."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from eagle_train.engines.vllm_engine import DEFAULT_PYTHON
 from eagle_train.interop.reexpress import widen_model_dir
 from eagle_train.modeling.head_checkpoint import load_head
 from eagle_train.modeling.target import load_target
+from eagle_train.runtime.output_lock import OutputLock
 from tests.conftest import REPO_ROOT
 
 WORK = REPO_ROOT / "runs" / "engine_tests"
@@ -52,10 +57,30 @@ def engine_python() -> Path:
     return python
 
 
+@contextmanager
+def shared(name: str) -> Iterator[None]:
+    """Held while one pytest worker builds or checks runs/engine_tests/NAME; another worker asking for it
+    waits, then finds it built."""
+    lock = OutputLock(WORK / f"{name}.shared", "engine tests").acquire(wait=True)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 @pytest.fixture(scope="session")
 def wide_target_dir(target_cfg, engine_python) -> Path:
-    """stories260K re-expressed with head_dim 32 (rebuilt each session: a second)."""
-    return widen_model_dir(target_cfg.path, WORK / f"stories260K-hd{HEAD_DIM}", HEAD_DIM)
+    """stories260K re-expressed with head_dim 32 (rebuilt once per test run: a second; the run's workers
+    share it)."""
+    out = WORK / f"stories260K-hd{HEAD_DIM}"
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    stamp = WORK / f"{out.name}.run"
+    with shared(out.name):
+        if run is None or not stamp.is_file() or stamp.read_text() != run or not out.is_dir():
+            widen_model_dir(target_cfg.path, out, HEAD_DIM)
+            if run is not None:
+                stamp.write_text(run)
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -72,14 +97,15 @@ def train_once(name: str, steps: int, overrides: list[str]) -> Path:
 
     out = WORK / name
     final = out / "final"
-    done = (final / "config.json").is_file() and read_json(final / "config.json")["eagle_train"].get(
-        "step"
-    ) == steps
-    if not done:
-        shutil.rmtree(out, ignore_errors=True)
-        base = ["+recipe=stories260k_cpu", "data.source=online", "data.limit=3000", f"max_steps={steps}"]
-        base += ["eval_every=0", "save_every=0", "progress=false", f"out_dir={out}"]
-        run(to_schema(compose("train", overrides=[*base, *overrides]), TrainConfig))
+    with shared(name):
+        done = (final / "config.json").is_file() and read_json(final / "config.json")["eagle_train"].get(
+            "step"
+        ) == steps
+        if not done:
+            shutil.rmtree(out, ignore_errors=True)
+            base = ["+recipe=stories260k_cpu", "data.source=online", "data.limit=3000"]
+            base += [f"max_steps={steps}", "eval_every=0", "save_every=0", "progress=false", f"out_dir={out}"]
+            run(to_schema(compose("train", overrides=[*base, *overrides]), TrainConfig))
     return final
 
 
