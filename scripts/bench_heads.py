@@ -62,8 +62,8 @@ HEADS = {  # head name -> training overrides (on top of +recipe=stories260k_cpu)
     "eagle3_vocab256": ["draft.type=eagle3", "draft.vocab_size=256"],
     "eagle3_2l": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.num_layers=2"],  # drafted serially
     "eagle3_4l": ["draft.type=eagle3", "loss.ttt_steps=5", "draft.num_layers=4"],
-    # P-EAGLE with the other trainers' COD (r 0.8 / r_min 0.2, every element counts): the figures of
-    # docs/benchmarks.md before the stories260k_cpu recipe took its own COD settings
+    # P-EAGLE with the other trainers' COD (r 0.8 / r_min 0.2, every element counts), the published
+    # settings; the stories260k_cpu recipe's own COD settings are RECIPE_COD (the peagle_acc_r5 heads)
     "peagle": PUBLISHED_COD,  # COD over 8 depths, one layer
     "peagle_2l": [*PUBLISHED_COD, "draft.num_layers=2"],  # vLLM's benchmark heads have 2 layers
     "peagle_4l": [*PUBLISHED_COD, "draft.num_layers=4"],  # the published P-EAGLE heads have 4 layers

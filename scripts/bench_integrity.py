@@ -1,5 +1,5 @@
-"""What the integrity checks of issue 26 cost: the target's weight-file identity at 8B scale, and the
-start of extraction, training, evaluation and export on stories260K, before and after, side by side.
+"""What the integrity checks cost: the target's weight-file identity at 8B scale, and the start of
+extraction, training, evaluation and export on stories260K, with and without the checks, side by side.
 
     python scripts/bench_integrity.py [--gb 4] [--files 4] [--dir /tmp] [--base DIR] [--repeats 5]
 
@@ -10,10 +10,10 @@ tensors), then times the first-time identity with the files out of the page cach
 at a time against the parallel hash, and the cached identity (a stat per file). The 8B figure is
 16 GB (bf16) at the measured cold rate; the cached cost is per file (an 8B checkpoint has 4).
 
-Part 2 (with `--base DIR`: a checkout of the code before the change, e.g.
-`git archive b421be2 | tar -x -C DIR`): the same hot paths timed with each code tree in its own
-process, alternated, best of `--repeats`: an extraction rerun over a complete store (every shard kept),
-offline training's start (the target's frozen parts and the store's checks, train.prepare_data), the
+Part 2 (with `--base DIR`: a checkout of the code without the checks, e.g. `git archive REV | tar -x -C DIR`
+for a revision REV before them): the same hot paths timed with each code tree in its own process,
+alternated, best of `--repeats`: an extraction rerun over a complete store (every shard kept), offline
+training's start (the target's frozen parts and the store's checks, train.prepare_data), the
 evaluation's start (the target, the head and the report note: evaluate.load_head + draft_notes) and
 the export's head load (modeling.head_checkpoint.load_head). The weight-file hash cache is warm (the first
 time is part 1's figure). One thread; prints a table and writes bench_results/integrity.json.

@@ -315,7 +315,8 @@ def test_records_carry_their_prompt_ids(target_cfg, head_dir, tmp_path):
 
 
 def test_a_head_with_non_finite_weights_is_refused_before_anything_is_written(target, target_cfg, tmp_path):
-    """16.11: a NaN head used to decode garbage, write answers.jsonl, then crash in the plots."""
+    """A head with a NaN weight is refused, naming the file and the tensor, before anything is decoded or
+    written (no answers.jsonl, no evaluation directory)."""
     head = DraftHead.from_target(target.config)
     state = {k: v.clone() for k, v in head.trainable_state_dict().items()}
     state["fc.weight"][0, 0] = float("nan")
@@ -333,7 +334,7 @@ def test_a_head_with_non_finite_weights_is_refused_before_anything_is_written(ta
 
 
 def test_a_head_trained_for_other_weights_is_flagged_in_the_report(target_cfg, target, tmp_path):
-    """16.4: the head records the fingerprint of its target's embedding and LM head; evaluating it on a
+    """The head records the fingerprint of its target's embedding and LM head; evaluating it on a
     target with other weights (a fine-tune of the same shape) says so in the report."""
     head = DraftHead.from_target(target.config)
     weights = {"embed_tokens": "0" * 16, "lm_head": "0" * 16}
@@ -390,7 +391,7 @@ def test_a_bug_shared_by_ar_and_every_method_is_caught_by_the_model_check(tmp_pa
 
 
 def test_a_head_trained_for_other_decoder_layers_is_flagged_naming_the_file(target_cfg, target, tmp_path):
-    """Issue 26.1: a head trained for stories260K, evaluated on a fine-tune of its decoder layers alone
+    """A head trained for stories260K, evaluated on a fine-tune of its decoder layers alone
     (same embedding and LM head): the report names the weight file that differs."""
     from eagle_train.training.sources import checkpoint_identity
 

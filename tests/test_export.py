@@ -57,7 +57,7 @@ def test_run_writes_each_layout(ckpt, tmp_path, fmt, weights):
     config = json.loads(text)
     assert config["eagle_train"]["target"] == "stories260k" and config["eagle_train"]["max_len"] == 384
     assert config["eagle_train"]["format"] == fmt and config["eagle_train"]["target_config_hash"] == "x"
-    # 16.11: a published config.json carries no local path (the target's directory, the checkpoint's)
+    # a published config.json carries no local path (the target's directory, the checkpoint's)
     assert str(STORIES260K) not in text and str(tmp_path) not in text and "source_checkpoint" not in text
 
 
@@ -74,7 +74,7 @@ def test_a_hub_target_id_is_kept(tmp_path, target):
 
 
 def test_a_directory_export_did_not_write_is_refused_with_nothing_deleted(ckpt, tmp_path, monkeypatch):
-    """16.1: out=DIR holding other files, or out=. in such a directory, is refused and left as it was;
+    """out=DIR holding other files, or out=. in such a directory, is refused and left as it was;
     overwrite=true writes this layout's files there and deletes nothing else."""
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)
@@ -196,8 +196,8 @@ def flip_weight_byte(file) -> None:
 
 
 def test_a_head_changed_since_it_was_saved_is_refused_naming_the_file(ckpt, target, tmp_path):
-    """Issue 26.5: export and evaluate used a head whose weights no longer matched the sha256 recorded
-    when it was saved (exported with exit 0 after a bit flip)."""
+    """A head whose weights do not match the sha256 recorded when it was saved (a bit flipped since) is
+    refused by export and by evaluate's loader, naming the file; export writes nothing."""
     assert json.loads((ckpt / "config.json").read_text())["eagle_train"]["weights_sha256"]
     flip_weight_byte(ckpt / "model.safetensors")
     message = r"ckpt/model.safetensors: its sha256 differs from the one config.json recorded"
@@ -230,9 +230,9 @@ def test_a_head_whose_recorded_weights_file_is_gone_is_said_to_miss_it(ckpt, tar
 
 @pytest.mark.parametrize("cut", [100, -100], ids=["header", "data"])
 def test_a_truncated_head_file_is_one_line_naming_it(ckpt, target, tmp_path, cut):
-    """Issue 26.8: a truncated model.safetensors (header or data cut) gave safetensors' raw error, which
-    names no file, in export (load_head) and evaluate (load_draft); a head with no checksum recorded (an
-    export) gets there."""
+    """A truncated model.safetensors (header or data cut) is refused in one line naming the file, not with
+    safetensors' raw error, in export (load_head) and evaluate (load_draft); a head with no checksum
+    recorded (an export) gets there."""
     exported = export_head(load_head(ckpt)[0], "sglang", tmp_path / "exported")
     weights = exported / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:cut])

@@ -237,8 +237,8 @@ def test_aux_layers_are_extracted_for_eagle3(target_cfg, target, tmp_path):
 
 
 def test_repeated_ids_give_a_store_training_opens(target_cfg, tmp_path):
-    """Issue 26.2: ids `x, x, x_dup1` used to be stored as `x, x_dup1, x_dup1`, a store training refuses
-    as "duplicated or misplaced" (and a re-extraction gave the same store)."""
+    """Ids `x, x, x_dup1` are stored as `x, x_dup1, x_dup1_dup1`, never as a second `x_dup1` (a store
+    training would refuse as "duplicated or misplaced")."""
     turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]
     data = write(
         tmp_path / "dups.jsonl",
@@ -249,7 +249,7 @@ def test_repeated_ids_give_a_store_training_opens(target_cfg, tmp_path):
 
 
 def test_a_rerun_repairs_a_broken_manifest_and_keeps_the_shards(target_cfg, tmp_path):
-    """16.9: a truncated manifest.json: training names the file; a rerun of the extraction rewrites it
+    """A truncated manifest.json: training names the file; a rerun of the extraction rewrites it
     and keeps every shard."""
     cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
     run(cfg)
@@ -276,9 +276,9 @@ def rot_in_place(shard: Path, at: int = -64) -> None:
 
 
 def test_a_rerun_repairs_a_shard_training_found_rotted(target_cfg, tmp_path):
-    """Issue 26.4: a shard whose bytes rotted in place (mtime kept) was kept by every rerun while training
-    kept refusing it. Training records the damage in the shard's sidecar; the rerun re-hashes that shard
-    and extracts it again (the others are kept), to the very bytes it had."""
+    """A shard whose bytes rotted in place (mtime kept) is refused by training, which records the damage in
+    the shard's sidecar; a rerun re-hashes that shard and extracts it again (the others are kept), to the
+    very bytes it had."""
     cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
     run(cfg)
     good = (tmp_path / shard_name(1)).read_bytes()
@@ -295,7 +295,7 @@ def test_a_rerun_repairs_a_shard_training_found_rotted(target_cfg, tmp_path):
 
 
 def test_verify_full_repairs_a_rot_nothing_reported(target_cfg, tmp_path):
-    """Issue 26.4: a shard rotted in place that no reader has seen yet: a plain rerun trusts its unchanged
+    """A shard rotted in place that no reader has seen yet: a plain rerun trusts its unchanged
     size and mtime (a resume never re-reads the store); verify=full re-hashes every shard and repairs it."""
     cfg = extract_cfg(target_cfg, tmp_path, limit=6, dtype="float32", shard_samples=2)
     run(cfg)
@@ -309,9 +309,9 @@ def test_verify_full_repairs_a_rot_nothing_reported(target_cfg, tmp_path):
 
 
 def test_a_rerun_after_the_decoder_layers_changed_is_refused(target_cfg, tmp_path):
-    """Issue 26.1: the target's identity covered its embedding and LM head only, so resuming after its
-    decoder layers changed in place mixed the shards of two models. The sha256 of every weight file is
-    the identity now."""
+    """The target's identity is the sha256 of every weight file, not its embedding and LM head alone: a
+    resumed extraction after its decoder layers changed in place is refused, naming the file, and never
+    mixes the shards of two models."""
     model = decoder_fine_tune(tmp_path / "model")
     shutil.copytree(STORIES260K, tmp_path / "original")
     cfg = extract_cfg(replace(target_cfg, path=str(tmp_path / "original")), tmp_path / "store", limit=4)
@@ -327,7 +327,7 @@ def test_a_rerun_after_the_decoder_layers_changed_is_refused(target_cfg, tmp_pat
 
 
 def test_a_bad_record_after_the_first_shard_names_it_and_writes_no_manifest(target_cfg, tmp_path):
-    """16.10: the file is streamed, so a bad record late in it is found after earlier shards were
+    """The file is streamed, so a bad record late in it is found after earlier shards were
     written: the error names the file and the line, and no manifest makes the store look complete."""
     records = json.loads(open(ALPACA).read())[:300]  # more than one tokenizer batch (256)
     bad = tmp_path / "late.jsonl"
@@ -369,11 +369,10 @@ print(out[0]["num_tokens"], status("VmHWM") - before)
 
 @pytest.mark.slow
 def test_a_20_mb_message_costs_no_more_memory_than_max_len_tokens(target_cfg, tmp_path):
-    """16.10: the text beyond what max_len tokens can hold is cut before tokenizing: tokenizing a 20 MB
-    reply with max_len 256 adds a few tens of MB to the resident set (43 MB measured here; 2041 MB with
-    the cut turned off; the whole extract process peaked at 3.3 GB before the change: see
-    scripts/bench_extract_memory.py), and the kept tokens are those of the whole text (checked on a
-    200 kB reply)."""
+    """The text beyond what max_len tokens can hold is cut before tokenizing: tokenizing a 20 MB reply with
+    max_len 256 adds a few tens of MB to the resident set (43 MB measured here; 2041 MB with the cut
+    turned off; the whole extract process's peak: scripts/bench_extract_memory.py), and the kept tokens
+    are those of the whole text (checked on a 200 kB reply)."""
     from eagle_train.data.render import ChatRenderer
     from eagle_train.modeling.target import load_tokenizer
 

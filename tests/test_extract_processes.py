@@ -113,9 +113,8 @@ def test_killed_run_resumes_to_the_same_store(tmp_path, reference_store):
 
 
 def test_a_rerun_killed_at_its_start_leaves_the_complete_store_usable(tmp_path, reference_store):
-    """Issue 26.6: a rerun over a complete store removed manifest.json first, so a kill right after that
-    left the store unusable until the next rerun. The manifest stays until a shard is written again and
-    is replaced atomically at the end."""
+    """A rerun over a complete store killed at its start leaves the store usable: the manifest stays until
+    a shard is written again and is replaced atomically at the end."""
     shutil.copytree(reference_store.path, tmp_path, dirs_exist_ok=True)
     before = (tmp_path / MANIFEST_NAME).read_text()
     killed = extract_cli(

@@ -125,7 +125,7 @@ def two_stages(tmp_path, **kw) -> PipelineConfig:
 
 
 def test_only_stages_finished_with_these_inputs_are_skipped(tmp_path):
-    """16.8: outputs left by a killed or earlier run are not "finished"; a forced or rerun stage reruns
+    """Outputs left by a killed or earlier run are not "finished"; a forced or rerun stage reruns
     every stage after it; a stage whose output or input changed since it finished reruns."""
     (tmp_path / "a.jsonl").write_text("old\n")  # an output from before, no record that it finished
     (tmp_path / "b.jsonl").write_text("old\n")

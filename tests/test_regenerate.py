@@ -160,8 +160,8 @@ def test_sampling_is_seeded(target_cfg, tmp_path):
 
 
 def test_repeated_ids_lose_no_conversation(target_cfg, tmp_path):
-    """Issue 26.2: ids `x, x, x_dup1` were renamed into a second `x_dup1`, which the resumable output
-    took for done: 3 prompts in, 2 replies out."""
+    """Ids `x, x, x_dup1` become `x, x_dup1, x_dup1_dup1`, never a second `x_dup1` (which the resumable
+    output would take for done): 3 prompts in, 3 replies out."""
     lines = [
         {"id": i, "conversations": [{"from": "human", "value": f"Once upon a time {i}"}]}
         for i in ("x", "x", "x_dup1")
@@ -186,7 +186,7 @@ def test_bad_lines_and_config(target_cfg, tmp_path):
 
 
 def test_an_out_that_is_not_this_commands_output_is_refused_and_kept(target_cfg, tmp_path):
-    """16.2: out = the input (a one-line JSON array, the shape of the shared prompts file), another
+    """out = the input (a one-line JSON array, the shape of the shared prompts file), another
     ShareGPT file, or this command's output made with other settings: refused, the file untouched."""
     write_prompts(tmp_path / "p.jsonl", 6)
     records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
@@ -242,7 +242,7 @@ def test_a_rerun_after_the_targets_weights_changed_in_place_is_refused(target_cf
 
 
 def test_a_planted_symlink_part_file_is_never_followed(target_cfg, tmp_path):
-    """16.11: `<out>.part0` planted as a link to another file: refused, that file untouched."""
+    """`<out>.part0` planted as a link to another file: refused, that file untouched."""
     write_prompts(tmp_path / "p.jsonl", 3)
     victim = tmp_path / "victim.jsonl"
     victim.write_text('{"id": "v1", "conversations": [], "finish_reasons": []}\n{"id": "v2", "conv')

@@ -186,7 +186,7 @@ def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, he
 def test_offline_training_never_builds_the_target_and_no_state_holds_frozen_tensors(
     request, tmp_path, monkeypatch, head
 ):
-    """Section 14.1: offline training reads the target's config, embedding and LM head only (the whole
+    """Offline training reads the target's config, embedding and LM head only (the whole
     model is never loaded), and neither the checkpoint nor accelerate's training state holds them (an
     EAGLE-3 head's own LM head over its draft vocabulary is trained, so it is saved; the embedding is not)."""
     import transformers
@@ -220,7 +220,7 @@ def test_offline_training_never_builds_the_target_and_no_state_holds_frozen_tens
 
 @pytest.mark.slow
 def test_the_loader_workers_give_the_in_loop_run_exactly(tiny_store, tmp_path):
-    """Section 14.2: micro-batches read ahead by DataLoader workers are the in-loop ones, in the same order."""
+    """Micro-batches read ahead by DataLoader workers are the in-loop ones, in the same order."""
     args = ("max_steps=6", "log_every=1", "eval_every=0", "save_every=0", "grad_accum=2")
     run(make_cfg(tiny_store, tmp_path / "loop", *args, "loader_workers=0"))
     run(make_cfg(tiny_store, tmp_path / "workers", *args, "loader_workers=2", "loader_prefetch=2"))
@@ -400,7 +400,7 @@ def test_an_eagle1_head_trains_on_an_eagle3_store_exactly_as_on_its_own(tiny_sto
     assert (plain["loss"], plain["smooth_l1"], plain["ce"]) == (aux["loss"], aux["smooth_l1"], aux["ce"])
 
 
-# ---------------------------------------------------------------- 16.3, 16.4, 16.11: nothing silently wrong
+# ---------------------------------------------------------------- nothing silently wrong
 
 
 def copy_store(tiny_store: Path, to: Path) -> Path:
@@ -434,7 +434,7 @@ def test_a_corrupt_shard_stops_training_before_any_step(tiny_store, tmp_path, wo
 
 @pytest.mark.parametrize("head", ["eagle1", "peagle"])
 def test_a_non_finite_loss_stops_before_the_step_and_no_checkpoint_holds_it(request, tmp_path, head):
-    """16.3: features that are NaN with valid checksums (a bug upstream): the run stops at step 1 naming
+    """Features that are NaN with valid checksums (a bug upstream): the run stops at step 1 naming
     the step and the batch, before the optimizer step, and writes no checkpoint or head (P-EAGLE: NaN in
     the aux features its COD elements read)."""
     store = request.getfixturevalue("tiny_store" if head == "eagle1" else "tiny_store_aux")
@@ -476,7 +476,7 @@ def fine_tune(tmp_path: Path) -> Path:
 
 
 def test_a_store_from_a_fine_tune_of_the_same_shape_is_refused(tiny_store, tmp_path):
-    """16.4: same config hash, other weights: the fingerprint of the LM head tells them apart."""
+    """Same config hash, other weights: the fingerprint of the LM head tells them apart."""
     with pytest.raises(
         StoreMismatchError, match=r"target\.weights\.lm_head: expected '[0-9a-f]{16}', found"
     ) as err:
@@ -485,7 +485,7 @@ def test_a_store_from_a_fine_tune_of_the_same_shape_is_refused(tiny_store, tmp_p
 
 
 def test_a_store_from_a_decoder_only_fine_tune_is_refused(tiny_store, tmp_path):
-    """Issue 26.1: same config, same embedding and LM head, other decoder layers: the store's features
+    """Same config, same embedding and LM head, other decoder layers: the store's features
     are another model's. The sha256 of the weight files tells them apart (offline training reads them
     without loading a decoder layer)."""
     model = decoder_fine_tune(tmp_path / "model")
@@ -498,7 +498,7 @@ def test_a_store_from_a_decoder_only_fine_tune_is_refused(tiny_store, tmp_path):
 
 @pytest.mark.slow
 def test_online_resume_refuses_a_decoder_only_fine_tune(tiny_conversations, tmp_path):
-    """Issue 26.1: a resumed online run must use the target its checkpoint was trained with, decoder
+    """A resumed online run must use the target its checkpoint was trained with, decoder
     layers included (target.path may move; the weights may not change)."""
     from eagle_train.training.resume import CheckpointError
 
@@ -516,7 +516,7 @@ def test_online_resume_refuses_a_decoder_only_fine_tune(tiny_conversations, tmp_
 
 
 def test_a_store_from_before_weight_files_were_recorded_trains_with_a_warning(tiny_store, tmp_path, caplog):
-    """Issue 26.1: a store extracted by an earlier eagle-train (no target.weight_files) is still read, its
+    """A store extracted by an earlier eagle-train (no target.weight_files) is still read, its
     config, embedding and LM head checked, with a warning that its decoder layers cannot be; a rerun of
     its extraction is refused (its shards cannot be told to come from this target) unless overwrite."""
     from eagle_train.config.data import DataConfig
@@ -544,7 +544,8 @@ def test_a_store_from_before_weight_files_were_recorded_trains_with_a_warning(ti
 
 
 def test_bad_cadence_settings_fail_when_the_config_is_made(tmp_path):
-    """16.11: log_every=0 used to fail only after the model and the store had loaded."""
+    """Bad cadence settings (log_every=0, a negative save_every or eval_every, epochs=0) fail when the
+    config is made, before the model or the store is loaded."""
     for bad in ("log_every=0", "save_every=-1", "eval_every=-5", "epochs=0"):
         with pytest.raises(ValueError, match=bad.split("=")[0]):
             make_cfg(tmp_path / "store", tmp_path, bad)

@@ -48,7 +48,8 @@ def test_an_id_used_twice_is_renamed_and_counted(tmp_path):
 
 
 def test_renamed_ids_stay_unique_across_sources(tmp_path):
-    """Issue 26.2: a later source holding `x_dup1` after `x` was renamed to it gets a fresh id."""
+    """A later source holding `x_dup1`, after an `x` of an earlier source was renamed to it, gets a fresh
+    id."""
     turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text("".join(json.dumps({"id": i, "conversations": turns}) + "\n" for i in ("x", "x")))
@@ -92,8 +93,9 @@ def test_the_command_line(tmp_path, capsys):
 
 
 def test_an_out_that_is_not_an_earlier_mix_is_refused_and_kept(tmp_path, capsys):
-    """Issue 26.3: `out=` an existing dataset was overwritten, `out=` a directory gave a raw
-    IsADirectoryError. Only an earlier mix, unchanged since, is replaced without overwrite=true."""
+    """`out=` an existing dataset is refused and the dataset kept; `out=` a directory is refused with an
+    error naming it (no raw IsADirectoryError). Only an earlier mix, unchanged since, is replaced without
+    overwrite=true."""
     dataset = tmp_path / "mine.jsonl"
     dataset.write_text(STORIES.read_text())
     with pytest.raises(

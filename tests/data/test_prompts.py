@@ -71,7 +71,7 @@ def test_unknown_bench_and_duplicates(tmp_path):
 
 
 def test_a_latin1_prompt_file_is_one_line_naming_it(tmp_path):
-    """Issue 26.8: a Latin-1 encoded prompt file gave a raw UnicodeDecodeError naming no file."""
+    """A Latin-1 encoded prompt file is refused in one line naming the file (no raw UnicodeDecodeError)."""
     path = tmp_path / "latin1.jsonl"
     path.write_bytes('{"prompt": "un caf\u00e9 au lait"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl: not UTF-8 text \(invalid continuation byte\)"):

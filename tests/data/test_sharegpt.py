@@ -130,8 +130,8 @@ def test_ids_generated_and_deduplicated(tmp_path):
 
 
 def test_a_renamed_id_never_collides_with_a_later_one(tmp_path):
-    """Issue 26.2: `x, x, x_dup1` used to give `x, x_dup1, x_dup1` (a conversation dropped by regenerate,
-    a store training refuses): every id of a file is unique by construction."""
+    """`x, x, x_dup1` gives `x, x_dup1, x_dup1_dup1`, never a second `x_dup1` (which regenerate would drop
+    and training would refuse in a store): every id of a file is unique by construction."""
     ids = ["x", "x", "x_dup1", "x", "x_dup1"]
     records = [conv(("human", "q"), ("gpt", "a"), id=i) for i in ids]
     ds, report = load_sharegpt(write_jsonl(tmp_path / "dups.jsonl", records))
@@ -267,7 +267,7 @@ def test_wrong_schema_names_the_record(tmp_path, record, reason):
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
 def test_json_arrays_are_read_as_a_stream_in_any_chunk_size(tmp_path, chunk):
-    """16.10: a JSON array is decoded element by element (memory: one chunk and one record), with the
+    """A JSON array is decoded element by element (memory: one chunk and one record), with the
     same records, whitespace and all, as reading it whole."""
     records = [
         conv(("human", f'q {k} \u00e9 \\"]}}{{[,'), ("gpt", "a" * (5 * k)), id=f"r{k}") for k in range(25)
@@ -307,7 +307,7 @@ def test_json_arrays_are_read_as_a_stream_in_any_chunk_size(tmp_path, chunk):
     ids=["surrogate-content", "surrogate-role", "deep-array", "deep-jsonl"],
 )
 def test_hostile_json_is_a_data_error_naming_the_record(tmp_path, text, message):
-    """16.11: a lone surrogate (valid JSON, invalid text) or a very deep document: a DataError naming the
+    """A lone surrogate (valid JSON, invalid text) or a very deep document: a DataError naming the
     file and the record, not a UnicodeEncodeError or RecursionError later."""
     path = tmp_path / ("h.jsonl" if text.startswith("{") else "h.json")
     path.write_text(text)

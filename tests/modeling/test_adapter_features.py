@@ -129,7 +129,8 @@ def test_aux_layers_are_checked_against_the_target(target_cfg):
 
 @pytest.mark.parametrize("path", ["/no/such/model", "runs/models/missing", "./missing", ""])
 def test_a_missing_local_target_path_is_named_not_sent_to_the_hub(path):
-    """16.11: a local path that does not exist used to come back as a hub error about a repository id."""
+    """A local path that does not exist is named as a missing directory, not sent to the hub as a
+    repository id."""
     with pytest.raises(FileNotFoundError, match=rf"target.path='{path}': no such directory"):
         load_target(TargetConfig(path=path))
 

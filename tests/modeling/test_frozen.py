@@ -83,7 +83,7 @@ def test_frozen_parts_equal_the_full_models_and_only_their_shards_are_read(
 
 
 def test_the_weight_files_identity_reads_no_tensor(sharded, monkeypatch):
-    """Issue 26.1: the identity covers every weight file (decoder layers included) and offline training's
+    """The identity covers every weight file (decoder layers included) and offline training's
     frozen parts compute it from the files' bytes alone: no tensor read, no decoder built."""
     from eagle_train.runtime.atomic_files import file_sha256
 
@@ -125,8 +125,8 @@ class Payload:
 
 
 def test_a_damaged_or_forged_weight_file_is_one_line_naming_it(tmp_path):
-    """Issue 26.8: a target checkpoint cut short or holding a forged pickle gave safetensors' or torch's
-    raw error, naming no file; the pickle's code never runs."""
+    """A target checkpoint cut short or holding a forged pickle is refused in one line naming the file
+    (not safetensors' or torch's raw error); the pickle's code never runs."""
     import pickle
     import shutil
 

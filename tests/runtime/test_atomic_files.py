@@ -73,7 +73,7 @@ def test_read_json_names_the_file_and_the_place(tmp_path):
 
 
 def test_a_cached_sha256_is_reused_until_the_file_is_written_again(tmp_path, monkeypatch):
-    """Issue 26.1: a checkpoint's weight files are hashed once (cached by path, size, mtime, ctime and
+    """A checkpoint's weight files are hashed once (cached by path, size, mtime, ctime and
     inode); a rewrite in place is hashed again even with its size and mtime set back (ctime moves)."""
     import eagle_train.runtime.atomic_files as files
 

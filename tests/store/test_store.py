@@ -179,8 +179,8 @@ def test_prepare_out_dir_refuses_other_config_unless_overwrite(tmp_path):
     with pytest.raises(StoreMismatchError, match=r"data\.sha256: expected 'beef', found 'd00d'.*template"):
         prepare_out_dir(tmp_path, other, overwrite=False)
     assert (tmp_path / MANIFEST_NAME).exists()  # refused: nothing touched
-    # a renamed data set (same file contents) is the same store: shards and manifest kept (issue 26.6:
-    # the manifest is replaced at the end of the run, or removed when a shard is written again)
+    # a renamed data set (same file contents) is the same store: shards and manifest kept (the manifest
+    # is replaced at the end of the run, or removed when a shard is written again)
     prepare_out_dir(tmp_path, {**IDENTITY, "data": {**IDENTITY["data"], "name": "renamed"}}, overwrite=False)
     assert (tmp_path / shard_name(1)).exists() and (tmp_path / MANIFEST_NAME).exists()
     write_shard(tmp_path, 1, make_samples([2]), "float32", 512, extra={"start": 1, "stop": 2})
@@ -243,7 +243,7 @@ def test_a_manifest_naming_aux_layers_needs_aux_tensors(tmp_path):
         FeatureStore(tmp_path)
 
 
-# ---------------------------------------------------------------- 16.3, 16.9, 16.10, 16.11: checked reads
+# ---------------------------------------------------------------- checked reads
 
 
 NUMPY = {
@@ -328,7 +328,7 @@ def test_a_duplicated_shard_is_refused(tmp_path):
 
 
 def test_identical_samples_give_identical_shard_bytes(tmp_path):
-    """16.11: the bytes (and so the checksum) are a function of the samples (safetensors' own writer
+    """The bytes (and so the checksum) are a function of the samples (safetensors' own writer
     orders its metadata at random), and the file stays loadable by safetensors itself."""
     samples = make_samples([5, 3])
     digests = set()
@@ -343,7 +343,7 @@ def test_identical_samples_give_identical_shard_bytes(tmp_path):
 
 @pytest.mark.parametrize("broken", [MANIFEST_NAME, STORE_CONFIG_NAME, "both"])
 def test_broken_metadata_is_named_and_a_rerun_repairs_it(tmp_path, broken):
-    """16.9: a truncated manifest.json names the file when read; a rerun of the extraction over broken
+    """A truncated manifest.json names the file when read; a rerun of the extraction over broken
     metadata rewrites it and keeps the shards."""
     build_store(tmp_path, make_samples([2, 3]), [(0, 1), (1, 2)])
     for name in [MANIFEST_NAME, STORE_CONFIG_NAME] if broken == "both" else [broken]:
@@ -359,7 +359,7 @@ def test_broken_metadata_is_named_and_a_rerun_repairs_it(tmp_path, broken):
 
 
 def test_a_resumed_extraction_does_not_reread_verified_shards(tmp_path):
-    """16.10: completed_shard trusts a shard whose size, mtime and inode are those it was verified with
+    """completed_shard trusts a shard whose size, mtime and inode are those it was verified with
     (a resume does not re-hash the store); any change makes it hash the file again."""
     build_store(tmp_path, make_samples([30, 30]), [(0, 1), (1, 2)])
     shard = tmp_path / shard_name(1)

@@ -1,6 +1,6 @@
 """Checkpoints and resume on the real stories260K and the shared tiny store: a resumed run must be the
-same run (16.5, 17.11), a damaged checkpoint is never used (16.6), resume=never starts clean, a kill or a
-full disk loses nothing and leaves nothing behind (16.11)."""
+same run, a damaged checkpoint is never used, resume=never starts clean, a kill or a full disk loses
+nothing and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_resume_refuses_a_run_with_other_settings_naming_the_field(
 
 
 def test_resume_refuses_another_store_and_another_process_count(tiny_store, stopped, tmp_path, target_cfg):
-    """17.11: the process count is part of the identity (checked here on the real checkpoint; a
+    """The process count is part of the identity (checked here on the real checkpoint; a
     2-process launch records processes: 2), and so is the store, by its contents."""
     from eagle_train.config.data import DataConfig
     from eagle_train.config.extract import ExtractConfig
@@ -97,7 +97,7 @@ def test_resume_refuses_another_store_and_another_process_count(tiny_store, stop
 
 
 def test_resume_never_starts_clean(tiny_store, whole, tmp_path, stopped):
-    """16.5: resume=never into a used directory removes the old run, so a later rerun cannot resume it
+    """resume=never into a used directory removes the old run, so a later rerun cannot resume it
     (and overwrite the new final/ with the old run's continuation)."""
     out = shutil.copytree(whole, tmp_path / "run")
     (out / "notes.txt").write_text("mine")
@@ -135,7 +135,7 @@ def edit_step(checkpoint: Path) -> None:
 def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_resumes_exactly(
     tiny_store, whole, stopped, tmp_path, capsys, damage, reason
 ):
-    """16.6, 16.9: flipped weights or optimizer bytes, an edited or broken trainer.json: reported, renamed
+    """Flipped weights or optimizer bytes, an edited or broken trainer.json: reported, renamed
     damaged-step_*, and the run resumes from step 2 to the very weights of the uninterrupted run."""
     out = shutil.copytree(stopped, tmp_path / "run")
     damage(out / "checkpoints" / "step_0000004")
@@ -165,7 +165,7 @@ def kill_after(function: str, calls: int, out: Path, store: Path, *extra: str) -
 
 @pytest.mark.slow
 def test_a_killed_run_logs_every_step_once_and_leaves_no_temporary_behind(tiny_store, whole, tmp_path):
-    """16.11: killed after logging step 5 (checkpoint at 4): the rerun logs 5 and 6 once; killed inside
+    """Killed after logging step 5 (checkpoint at 4): the rerun logs 5 and 6 once; killed inside
     a checkpoint write: its half-written directory is removed by the next run."""
     out = tmp_path / "run"
     killed = kill_after("log_metrics", 5, out, tiny_store)
@@ -207,7 +207,7 @@ def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_loses_nothing(tiny
 
 
 def test_a_rerun_of_a_finished_run_logs_its_final_evaluation_once(tiny_store, whole, tmp_path):
-    """Issue 26.7: every rerun of a finished run appended another final evaluation line."""
+    """A rerun of a finished run logs no second final evaluation line: metrics.jsonl holds it once."""
     out = shutil.copytree(whole, tmp_path / "run")
     before = (out / "metrics.jsonl").read_text()
     final = run(make_cfg(tiny_store, out, *ARGS))
@@ -234,8 +234,8 @@ class Payload:
 
 
 def test_a_forged_pickle_in_a_checkpoint_is_one_line_naming_it(tiny_store, stopped, tmp_path):
-    """Issue 26.8: a pickle with code in it in a resealed checkpoint was refused by torch's weights_only
-    load with a raw traceback naming no file; nothing of it ever runs."""
+    """A pickle with code in it in a resealed checkpoint is refused in one line naming the file (not a raw
+    traceback from torch's weights_only load); nothing of it ever runs."""
     import pickle
 
     out = shutil.copytree(stopped, tmp_path / "run")
@@ -278,7 +278,7 @@ def test_a_forged_random_state_pickle_is_refused_not_skipped(tiny_store, stopped
 
 
 def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(whole, tmp_path):
-    """Issue 26.5: a bit flipped in a step checkpoint's head: export refuses it, naming the file."""
+    """A bit flipped in a step checkpoint's head: export refuses it, naming the file."""
     from eagle_train.config.export import ExportConfig
     from eagle_train.export import run as export
 
@@ -294,7 +294,7 @@ def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(
 def test_a_checkpoint_from_before_weight_files_were_recorded_resumes_with_a_warning(
     tiny_store, stopped, whole, tmp_path, capsys
 ):
-    """Issue 26.1: a checkpoint whose run identity has no target.weight_files (an earlier eagle-train)
+    """A checkpoint whose run identity has no target.weight_files (an earlier eagle-train)
     still resumes, to the very weights of the uninterrupted run, saying what it cannot check."""
     out = shutil.copytree(stopped, tmp_path / "run")
     step = out / "checkpoints" / "step_0000004"
