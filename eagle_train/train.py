@@ -121,7 +121,8 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         target = load_target(cfg.target, accelerator.device)
     else:
         target = load_frozen_target(cfg.target, dtype=frozen_dtype(accelerator))
-    aux_layers = target.aux_layers if head_kind(cfg.draft.type).reads_aux else None  # EAGLE-3's features
+    kind = head_kind(cfg.draft.type)
+    aux_layers = kind.layers_read(cfg.draft, target)  # EAGLE-3's features, DFlash's target layers
     with accelerator.local_main_process_first():  # one process per node hashes the weight files, once
         target.weight_files  # noqa: B018 (cached on the target and on disk)
     if cfg.data.source == "online":
@@ -130,7 +131,9 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> tuple[RunData, T
         features_fn = online_features(target, aux_layers)
         data = {"sha256": file_sha256(resolve_path(cfg.data.path))}
     else:
-        source, identity = open_store(resolve_path(cfg.features), target, hf_config, aux_layers)
+        source, identity = open_store(
+            resolve_path(cfg.features), target, hf_config, aux_layers, f"draft.type={kind.name}"
+        )
         features_fn, data = None, {"store": source.content_hash()}
     train, held_out = split_by_id(source.ids, source.lengths, cfg.data.eval_fraction)
     if not train:
@@ -219,20 +222,23 @@ def evaluate(
         *objective.terms,
     ]
     totals = dict.fromkeys(keys, 0.0)
+    chains = head_kind(head).chain_metrics  # DFlash: its objective's per-slot figures alone
     head.eval()
     for indices in plan:
         batch = objective.prepare(data.batch(indices, accelerator.device, head.fc.weight.dtype))
         with accelerator.autocast():
             eagle3_lm = lm_weight if head.own_lm_head else None  # EAGLE-1: the head's logits are the target's
-            for key, value in draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm).items():
+            for key, value in (
+                draft_metric_sums(head, batch, cfg.eval_depth, eagle3_lm) if chains else {}
+            ).items():
                 totals[key] += value
             for key, value in objective.sums(head, batch, None).items():
                 totals[key] += float(value)
     head.train()
     reduced = accelerator.reduce(torch.tensor([totals[k] for k in keys], device=accelerator.device), "sum")
     totals = dict(zip(keys, reduced.tolist(), strict=True))
-    out = finalize_metrics(totals, cfg.eval_depth)
-    out.update({k: v for k, v in objective.summary(totals).items() if k != "top1"})
+    out = finalize_metrics(totals, cfg.eval_depth) if chains else {}
+    out.update({k: v for k, v in objective.summary(totals).items() if k != "top1" or not chains})
     return {f"eval/{k}": v for k, v in out.items()}
 
 

@@ -3,8 +3,9 @@
 Layers, bottom up; a module imports only its own layer and those below, and the third-party libraries
 its layer allows (LAYERS: the first matching prefix wins, so specific names come first):
   0 foundation   config/*, runtime/*                                      stdlib, omegaconf
-  1 pure cores   training/loss, training/metrics, training/ttt, training/cod, modeling/logit_transform,
-                 modeling/draft_vocab, the rest of decoding/*, data/batching, data/jsonl, data/templates
+  1 pure cores   training/loss, training/metrics, training/ttt, training/cod, training/dflash,
+                 modeling/logit_transform, modeling/draft_vocab, the rest of decoding/*, data/batching,
+                 data/jsonl, data/templates
                  + torch, numpy; and pure: no file I/O, no clock, no process or thread (PURITY below)
   2 adapters     decoding/decoder, drafter, timing (the decode loop: it runs a model and times itself),
     and loops    modeling/*, interop/* and families/* (the only transformers importers;
@@ -42,6 +43,7 @@ LAYERS: list[tuple[str, int]] = [
     ("training.metrics", 1),
     ("training.ttt", 1),
     ("training.cod", 1),
+    ("training.dflash", 1),
     ("modeling.logit_transform", 1),
     ("modeling.draft_vocab", 1),
     ("decoding.decoder", 2),

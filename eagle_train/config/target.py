@@ -41,7 +41,9 @@ class TargetConfig:
     # null = sdpa where the model has it, else eager (gpt-oss: its attention sinks have no sdpa kernel)
     attn_implementation: str | None = None
     # EAGLE-3: the decoder layers whose INPUTS (low, mid, high) are the head's features, ids 0..L-1;
-    # null = `default_aux_layers(L)` (the reference's 2, L//2, L-3 where those are distinct)
+    # null = `default_aux_layers(L)` (the reference's 2, L//2, L-3 where those are distinct). Extraction
+    # (aux=true) stores the inputs of any layers named here: a DFlash store names the layers after its
+    # draft.target_layer_ids (the output of layer i is the input of layer i + 1: `dflash_aux_layers`)
     aux_layers: list[int] | None = None
     # null: the whole target on the process's device | auto (or balanced, sequential): one target spread over
     # the node's GPUs by accelerate (a 70B extraction on one process); the inputs go to its first device
@@ -75,11 +77,8 @@ class TargetConfig:
             )
         if self.aux_layers is not None:
             self.aux_layers = [int(i) for i in self.aux_layers]
-            if len(self.aux_layers) != NUM_AUX_LAYERS or min(self.aux_layers) < 0:
-                raise ValueError(
-                    f"target.aux_layers must be {NUM_AUX_LAYERS} layer ids >= 0 (low, mid, high), "
-                    f"got {self.aux_layers}"
-                )
+            if not self.aux_layers or min(self.aux_layers) < 0:
+                raise ValueError(f"target.aux_layers must be layer ids >= 0, got {self.aux_layers}")
 
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses three hidden states (fc: 3d -> d; SGLang's loader fixes the 3)
@@ -114,3 +113,42 @@ def resolve_aux_layers(requested: list[int] | None, num_layers: int) -> list[int
             f"(the input of layer i, 0 <= i < {num_layers})"
         )
     return layers
+
+
+def check_eagle3_aux_layers(aux_layers: list[int] | None) -> None:
+    """An EAGLE-3 (or P-EAGLE) head fuses exactly three layers: ValueError for another count."""
+    if aux_layers is not None and len(aux_layers) != NUM_AUX_LAYERS:
+        raise ValueError(
+            f"target.aux_layers must be {NUM_AUX_LAYERS} layer ids >= 0 (low, mid, high), got {aux_layers}"
+        )
+
+
+def dflash_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
+    """The published DFlash choice (z-lab) of target layers whose OUTPUTS feed a head of
+    `num_draft_layers` layers: one -> [L // 2]; else that many ids spread evenly (rounded) over
+    [1, L - 3] (Qwen3-8B, L = 36, 5 layers: [1, 9, 17, 25, 33]). A shallow target may repeat an id."""
+    if num_layers < 3:
+        raise ValueError(f"a DFlash head needs a target of at least 3 layers, this one has {num_layers}")
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    start, end = 1, max(num_layers - 3, 1)
+    return [round(start + k * (end - start) / (num_draft_layers - 1)) for k in range(num_draft_layers)]
+
+
+def resolve_dflash_layers(requested: list[int] | None, num_layers: int, num_draft_layers: int) -> list[int]:
+    """`draft.target_layer_ids` checked against the target's depth, or `dflash_layer_ids`. An id is a layer
+    whose output is read: 0 <= i <= L - 2 (the last layer's output is the final norm's input, which
+    Hugging Face's hidden states do not hold)."""
+    ids = dflash_layer_ids(num_layers, num_draft_layers) if requested is None else [int(i) for i in requested]
+    bad = [i for i in ids if not 0 <= i <= num_layers - 2]
+    if bad:
+        raise ValueError(
+            f"draft.target_layer_ids {ids}: ids {bad} are not layers of this {num_layers}-layer target whose "
+            f"output can be read (0 <= i <= {num_layers - 2})"
+        )
+    return ids
+
+
+def dflash_aux_layers(target_layer_ids: list[int]) -> list[int]:
+    """The feature store's names (the INPUT of layer i, `aux_layers`) of DFlash's layers (their OUTPUTS)."""
+    return [int(i) + 1 for i in target_layer_ids]

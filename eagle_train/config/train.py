@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from eagle_train.config.base import take_renamed
 from eagle_train.config.data import DataConfig
-from eagle_train.config.draft import DraftConfig
-from eagle_train.config.target import TargetConfig
+from eagle_train.config.draft import EAGLE3_FAMILY, DraftConfig
+from eagle_train.config.target import TargetConfig, check_eagle3_aux_layers
 
 SOURCES = ("offline", "online")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -127,6 +127,12 @@ class LossConfig:
     # peagle: ce (soft CE: SpecForge) | kl (KL(target || draft): speculators, NeMo; the same gradient, the
     # value lower by the target's entropy)
     divergence: str = "ce"
+    # dflash: the most anchors (blocks) a sequence trains per step, drawn anew each step among its
+    # supervised positions with room for a block (the published trainers: 512)
+    num_anchors: int = 512
+    # dflash: slot k's loss weight exp(-(k - 1) / gamma); null = the published value for the block size
+    # (16: 7, 10: 5, 8: 4), else block_size / 2 (training/dflash.default_gamma)
+    dflash_gamma: float | None = None
     w_v: float | None = None  # deprecated alias of feature_weight
     w_p: float | None = None  # deprecated alias of token_weight
 
@@ -138,6 +144,11 @@ class LossConfig:
             raise ValueError(f"loss.divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
             raise ValueError(f"loss.ttt_steps must be >= 1 and loss.ttt_decay in (0, 1], got {self}")
+        if self.num_anchors < 1 or (self.dflash_gamma is not None and self.dflash_gamma <= 0):
+            raise ValueError(
+                f"loss.num_anchors must be >= 1 and loss.dflash_gamma > 0 or null, got {self.num_anchors}, "
+                f"{self.dflash_gamma}"
+            )
 
 
 @dataclass
@@ -224,6 +235,12 @@ class TrainConfig:
         if self.eval_every < 0 or self.save_every < 0:
             raise ValueError(
                 f"eval_every and save_every must be >= 0 (0 = only at the end), got {self.eval_every}, {self.save_every}"
+            )
+        if self.draft.type in EAGLE3_FAMILY:
+            check_eagle3_aux_layers(self.target.aux_layers)
+        if self.draft.type == "dflash" and self.eval_engine != "none":
+            raise ValueError(
+                "eval_engine: decoding and export of DFlash heads (draft.type=dflash) are not built yet"
             )
         if self.loss.noise is None:
             self.loss.noise = "uniform" if self.draft.type == "eagle1" else "none"

@@ -46,6 +46,7 @@ from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.timing import PhaseTimer
 from eagle_train.decoding.tree import Tree, chain_paths, shape_from_paths
 from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
+from eagle_train.modeling.draft import check_served
 
 
 class TargetModel(Protocol):
@@ -149,6 +150,8 @@ class SpeculativeDecoder:
                 "before decoding (eagle_train.autotune.shapes.tune_shapes, as the evaluate stage does); give "
                 "the decoder the chosen fields, or decode.shape=fixed / decode.tree=NAME"
             )
+        if head is not None:
+            check_served(head, "SpeculativeDecoder")  # DFlash: trained, not yet decoded
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
         self.aux_layers, self.vocab_map = head_reads(head, self.device)

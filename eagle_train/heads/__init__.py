@@ -3,6 +3,7 @@
 eagle1.py  EAGLE-1/2: the target's last hidden state and LM head
 eagle3.py  EAGLE-3 / 3.1: three target layers, its own LM head over a draft vocabulary
 peagle.py  P-EAGLE: an EAGLE-3 head drafting K tokens in one forward
+dflash.py  DFlash: a block of B tokens in one forward, the context as keys and values (trains only)
 
 A kind's model class (eagle_train.modeling) states the drafting contract and recognises its checkpoints
 (modeling.head_checkpoint.HEAD_MODELS lists the classes); its module here adds what the training and
@@ -13,10 +14,10 @@ tests/heads/test_registry.py checks the three agree.
 
 from __future__ import annotations
 
-from eagle_train.heads import eagle1, eagle3, peagle
+from eagle_train.heads import dflash, eagle1, eagle3, peagle
 from eagle_train.heads.kind import HeadKind
 
-KINDS: dict[str, HeadKind] = {k.name: k for k in (eagle1.KIND, eagle3.KIND, peagle.KIND)}
+KINDS: dict[str, HeadKind] = {k.name: k for k in (eagle1.KIND, eagle3.KIND, peagle.KIND, dflash.KIND)}
 
 
 def head_kind(of) -> HeadKind:

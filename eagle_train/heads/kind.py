@@ -22,6 +22,10 @@ def _no_check(head, cfg: DraftConfig, target: TargetParts, source: Source) -> No
     return None
 
 
+def _aux_layers(cfg: DraftConfig, target: TargetParts) -> list[int]:
+    return target.aux_layers
+
+
 @dataclass(frozen=True)
 class HeadKind:
     """One kind of draft head: its model class, whose class attributes are the contract the decoder,
@@ -40,6 +44,11 @@ class HeadKind:
     on_shared_weights(head)            a fresh head's last step once it holds the target's frozen parts
     ships_embedding                    its exports carry the target's input embedding (`hold_embedding`
                                        puts it into the head, after its checks)
+    feature_layers(cfg, target)        the target layers (the feature store's `aux_layers`: inputs of
+                                       layers) a head of draft settings `cfg` reads; default: EAGLE-3's
+                                       `target.aux_layers` when it reads aux features, else None
+    chain_metrics                      held-out chains drafted as the decoder drafts them
+                                       (training.metrics); DFlash: its objective's per-slot figures only
     """
 
     model: type[nn.Module]
@@ -50,10 +59,16 @@ class HeadKind:
     on_shared_weights: Callable[[nn.Module], None] | None = None
     ships_embedding: bool = False
     hold_embedding: Callable[[nn.Module, torch.Tensor, dict, str | Path, Path], None] | None = None
+    feature_layers: Callable[[DraftConfig, TargetParts], list[int] | None] = _aux_layers
+    chain_metrics: bool = True
 
     @property
     def name(self) -> str:
         return self.model.kind
+
+    def layers_read(self, cfg: DraftConfig, target: TargetParts) -> list[int] | None:
+        """The aux layers the feature store must hold for a head of `cfg`, or None (the last hidden state)."""
+        return self.feature_layers(cfg, target) if self.reads_aux else None
 
     @property
     def reads_aux(self) -> bool:

@@ -98,6 +98,11 @@ def fresh(cfg, target, source, train) -> PEagleHead:
 def check_loaded(head, cfg, target, source) -> None:
     """The EAGLE-3 checks, and its mask token free in this target and data."""
     check_aux_layers(head, cfg, target, source)
+    check_mask_token(head, cfg, target, source)
+
+
+def check_mask_token(head, cfg, target, source) -> None:
+    """A loaded head's mask token is free in this target and data (`check_placeholder_token`)."""
     check_placeholder_token(
         head.mask_token_id, target.vocab_size, target_special_ids(target),
         f"draft.path {cfg.path}: its mask token", token_usage(source, target.vocab_size),

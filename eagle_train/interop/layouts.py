@@ -42,12 +42,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eagle_train.decoding.kv_cache import attention_shape
-from eagle_train.modeling.draft import DraftHead
+from eagle_train.modeling.draft import DraftHead, check_served
 from eagle_train.modeling.head_checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_finite,
     check_head_files,
+    head_model,
     read_head_weights,
 )
 from eagle_train.modeling.target import DTYPE_NAMES
@@ -206,6 +207,7 @@ def export_head(
     """
     if fmt not in FORMATS:
         raise InputError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    check_served(head, "export")
     out_dir = Path(out_dir)
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")
@@ -469,6 +471,7 @@ def load_draft(
         raw_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise InputError(f"{config_file}: not valid JSON ({err})") from err
+    check_served(head_model(raw_config), path)  # a kind the decoder cannot run yet (DFlash)
     check_head_files(path)
     raw_state, file = read_weights(path)
     from eagle_train.interop.eagle3_layouts import flat_config, is_eagle3, load_eagle3

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import (
 
 from eagle_train.decoding.kv_cache import attention_shape
 from eagle_train.modeling.logit_transform import LogitTransform
+from eagle_train.runtime.errors import InputError
 
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
@@ -274,6 +275,7 @@ class DraftHead(FrozenParts, nn.Module):
     drafts_in_catch_up = False  # a round drafts one forward per tree level (P-EAGLE: all in its catch-up)
     aux_layers = None
     vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)
+    not_served: str | None = None  # why the decoder and the exports refuse it (DFlash: not built yet)
 
     @classmethod
     def recognise(cls, raw: dict) -> bool:
@@ -298,6 +300,14 @@ class DraftHead(FrozenParts, nn.Module):
     def check_checkpoint_state(self, state: dict, file: Path) -> None:
         """InputError naming `file` when tensors of a checkpoint's `state` cannot be this head's (beyond
         what load_state_dict checks)."""
+
+
+def check_served(head, where: str | Path) -> None:
+    """InputError naming `where` and the head's kind when the decoder and the exports cannot take `head`
+    (a head or its class: its `not_served` reason)."""
+    reason = getattr(head, "not_served", None)
+    if reason:
+        raise InputError(f"{where}: a {head.kind} head (draft.type={head.kind}): {reason}")
 
 
 def frozen_modules(embed_weight: torch.Tensor, lm_weight: torch.Tensor | None = None) -> nn.ModuleDict:

@@ -2,7 +2,8 @@
 
 The weights are the head's own: EAGLE-1/2 fc.*, layers.* (no embedding, no LM head); EAGLE-3 fc.*,
 midlayer.*, layers.* (layers 1..N-1), norm, its own lm_head, d2t, t2d (no embedding); P-EAGLE also
-mask_hidden and mask_embedding (the learned row of its mask token). config.json is the draft's Llama config
+mask_hidden and mask_embedding (the learned row of its mask token); DFlash fc, hidden_norm, layers.*, norm
+(eagle_train.modeling.dflash). config.json is the draft's Llama config
 (the target's shapes, `num_hidden_layers` = the head's layers; EAGLE-3 also its architecture, draft
 vocabulary and aux layer ids, eagle_train.modeling.eagle3; P-EAGLE its mask token, eagle_train.modeling.peagle)
 plus an `eagle_train` block: the head type, the target it was trained for, fc bias, training max length and
@@ -23,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from eagle_train.modeling.dflash import DFLASH_FIELDS, DFlashHead
 from eagle_train.modeling.draft import DraftHead, SharedTarget
 from eagle_train.modeling.eagle3 import EAGLE3_FIELDS, Eagle3Head
 from eagle_train.modeling.peagle import PEAGLE_FIELDS, PEagleHead
@@ -38,9 +40,9 @@ TRAINER_FILE = (
 )
 # every head class, the most specific first: a checkpoint is the first whose `recognise` claims its
 # config.json (the head protocol, modeling.draft.DraftHead; the head kinds' registry, eagle_train.heads)
-HEAD_MODELS = (PEagleHead, Eagle3Head, DraftHead)
+HEAD_MODELS = (DFlashHead, PEagleHead, Eagle3Head, DraftHead)
 # config.json fields beyond the Llama shape that some head class records
-HEAD_FIELDS = EAGLE3_FIELDS + PEAGLE_FIELDS
+HEAD_FIELDS = EAGLE3_FIELDS + PEAGLE_FIELDS + DFLASH_FIELDS
 
 
 def head_model(raw: dict) -> type:

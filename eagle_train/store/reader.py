@@ -196,11 +196,15 @@ def damaged(shard: Path, what: str) -> StoreError:
 
 
 def open_store(
-    path: str | Path | None, expected: dict[str, Any], aux_layers: list[int] | None = None
+    path: str | Path | None,
+    expected: dict[str, Any],
+    aux_layers: list[int] | None = None,
+    reader: str = "draft.type=eagle3",
 ) -> FeatureStore:
     """The feature store at `path`, refused (StoreMismatchError naming the field) unless its manifest
     has the `expected` fields (e.g. eagle_train.store.manifest.expected_target: this target's) and, for
-    an EAGLE-3 head (`aux_layers`), holds the inputs of exactly those target layers."""
+    an EAGLE-3 or DFlash head (`aux_layers`, read by `reader`: what the refusal names), holds the inputs
+    of exactly those target layers."""
     if path is None:
         raise InputError("offline training needs `features=DIR`")
     try:
@@ -212,7 +216,7 @@ def open_store(
     if aux_layers is not None and store.aux_layers != aux_layers:
         held = f"the inputs of target layers {store.aux_layers}" if store.aux_layers else "no aux layers"
         raise StoreMismatchError(
-            f"feature store {path}: aux_layers: it holds {held}; draft.type=eagle3 needs the inputs of layers "
+            f"feature store {path}: aux_layers: it holds {held}; {reader} needs the inputs of layers "
             f"{aux_layers} (target.aux_layers): extract with aux=true target.aux_layers={aux_layers}, or train "
             "online (data.source=online)"
         )

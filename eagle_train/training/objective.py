@@ -6,7 +6,8 @@ all processes), so the loss does not depend on how a step is split. The pure for
 `eagle_train.training.loss`; the unroll of EAGLE-3's training-time test in `eagle_train.training.ttt`.
 
     objective.prepare(batch, g)           derived no-grad fields (EAGLE-3: the target's greedy tokens;
-                                          P-EAGLE: its COD elements, drawn from g; g None: a fixed seed)
+                                          P-EAGLE: its COD elements, DFlash: its blocks, drawn from g;
+                                          g None: a fixed seed)
     objective.normalisers(batch)          [c] this micro-batch's share of the step's normalisers
     objective.sums(model, batch, g)       {term: tensor} (g: the noise generator, None at evaluation)
     objective.loss(sums, normalisers)     the scalar to backpropagate
@@ -22,9 +23,20 @@ import torch
 from eagle_train.config.train import LossConfig
 from eagle_train.modeling.logit_transform import LogitTransform
 from eagle_train.training.cod import CodBatch, by_depth, cod_attention_mask, cod_forward, flatten_cod
+from eagle_train.training.dflash import (
+    Blocks,
+    accepted_prefix,
+    block_attention_mask,
+    block_labels,
+    block_positions,
+    sample_anchors,
+    slot_ce,
+    slot_weights,
+)
 from eagle_train.training.loss import (
     add_feature_noise,
     chain_parents,
+    chunk_positions,
     combine_terms,
     combine_ttt_terms,
     eagle_loss_sums,
@@ -288,6 +300,85 @@ class PEagleObjective(Eagle3Objective):
             out[f"cod_elements_depth{d + 1}"] = totals[f"positions_{d}"]
         out["top1"] = out["cod_acc_depth1"]
         out["vocab_coverage"] = totals["tokens_0"] / max(totals["positions_0"], 1.0)
+        return out
+
+
+class DFlashObjective:
+    """DFlash: up to loss.num_anchors blocks per sequence (drawn in `prepare` from the micro-batch's
+    generator, anew every step), all of them in ONE draft forward under the block attention mask
+    (eagle_train.training.dflash); the CE of slot k >= 1 against the data token t_{a+k} where it is
+    supervised, weighted exp(-(k - 1) / gamma) and averaged over the step's weights; per-slot accuracy and
+    the simulated acceptance (1 + the leading slots drafted right, per block)."""
+
+    def __init__(self, cfg: LossConfig, target_lm_head: torch.Tensor, transform: LogitTransform, head):
+        self.cfg, self.lm_weight, self.block = cfg, target_lm_head, head.block_size
+        self.weights = slot_weights(self.block, cfg.dflash_gamma)  # [B]
+        slots = range(1, self.block)
+        per_slot = tuple(f"{name}_{k}" for k in slots for name in ("ce", "correct", "tokens"))
+        self.terms = ("ce_weighted", *per_slot, "accepted", "blocks")
+
+    @torch.no_grad()
+    def prepare(self, batch, generator=None):
+        """Adds the blocks (`dflash_anchor`, `dflash_valid` [b, A]); without a generator (evaluation) a
+        fixed seed."""
+        generator = generator or torch.Generator(device=batch["loss_mask"].device).manual_seed(0)
+        blocks = sample_anchors(
+            batch["loss_mask"], batch["positions"], self.block, self.cfg.num_anchors, generator
+        )
+        return {**batch, "dflash_anchor": blocks.anchor, "dflash_valid": blocks.valid}
+
+    def _labels(self, batch):
+        blocks = Blocks(batch["dflash_anchor"], batch["dflash_valid"])
+        return (blocks, *block_labels(batch["input_ids"], batch["loss_mask"], blocks, self.block))
+
+    def normalisers(self, batch):
+        _, _, supervised = self._labels(batch)
+        return (supervised.float() * self.weights.to(supervised.device)).sum().reshape(1)
+
+    def sums(self, model, batch, generator):
+        head = getattr(model, "module", model)
+        blocks, tokens, supervised = self._labels(batch)  # [b, A, B] each
+        ids = tokens.clone()
+        ids[..., 1:] = head.mask_token_id  # [t_a, MASK x (B-1)]
+        mask = block_attention_mask(blocks, batch["input_ids"].shape[1], self.block)
+        features = noisy_features(batch, self.cfg, generator)
+        states = model(ids.flatten(1), features, block_positions(blocks, self.block), None, mask)
+        chosen = supervised.flatten(1)  # [b, A * B]
+        chunk = chunk_positions(self.lm_weight.shape[0], states.device)
+        ce, hit = slot_ce(states[chosen], head.logits, tokens.flatten(1)[chosen], chunk)
+        slot = torch.arange(self.block, device=ce.device).expand_as(tokens)[supervised]  # [M]
+        correct = torch.zeros_like(supervised)
+        correct[supervised] = hit
+        zeros = torch.zeros(self.block, device=ce.device)
+        per_slot = {
+            "ce": zeros.index_add(0, slot, ce.detach()),
+            "correct": zeros.index_add(0, slot, hit.float()),
+            "tokens": zeros.index_add(0, slot, torch.ones_like(ce)),
+        }
+        accepted = accepted_prefix(correct, supervised)[blocks.valid]
+        return {
+            "ce_weighted": (self.weights.to(ce.device)[slot] * ce).sum(),
+            **{f"{name}_{k}": v[k] for name, v in per_slot.items() for k in range(1, self.block)},
+            "accepted": accepted.sum().float(),
+            "blocks": blocks.valid.sum().float(),
+        }
+
+    def loss(self, sums, normalisers):
+        return sums["ce_weighted"] / torch.clamp(normalisers[0], min=1e-12)
+
+    def summary(self, totals):
+        weight = sum(float(self.weights[k]) * totals[f"tokens_{k}"] for k in range(1, self.block))
+        tokens = sum(totals[f"tokens_{k}"] for k in range(1, self.block))
+        out = {
+            "loss": totals["ce_weighted"] / max(weight, 1e-12),
+            "ce": sum(totals[f"ce_{k}"] for k in range(1, self.block)) / max(tokens, 1.0),
+            "accept_len": totals["accepted"] / max(totals["blocks"], 1.0),
+            "blocks": totals["blocks"],
+        }
+        for k in range(1, self.block):
+            out[f"ce_slot{k}"] = totals[f"ce_{k}"] / max(totals[f"tokens_{k}"], 1.0)
+            out[f"acc_slot{k}"] = totals[f"correct_{k}"] / max(totals[f"tokens_{k}"], 1.0)
+        out["top1"] = out["acc_slot1"]
         return out
 
 

@@ -58,6 +58,16 @@ FREE_SETTINGS = (
 )  # fmt: skip
 
 
+# settings only one kind of head reads, left out of the other kinds' identities (their runs from before the
+# setting existed still resume)
+KIND_SETTINGS = {
+    "draft.block_size": "dflash",
+    "draft.target_layer_ids": "dflash",
+    "loss.num_anchors": "dflash",
+    "loss.dflash_gamma": "dflash",
+}
+
+
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written, or one on disk is damaged; names the directory and why."""
 
@@ -68,7 +78,11 @@ def run_identity(cfg: TrainConfig, source: dict[str, Any], processes: int, preci
     loss, seed, batch plan and head among them), and `source`: the data's and the target's identity
     (training/sources.py: the store's content hash or the online file's sha256, the target's config hash
     and weight fingerprint)."""
-    settings = {k: v for k, v in flatten(asdict(cfg)).items() if k not in FREE_SETTINGS}
+    settings = {
+        k: v
+        for k, v in flatten(asdict(cfg)).items()
+        if k not in FREE_SETTINGS and KIND_SETTINGS.get(k, cfg.draft.type) == cfg.draft.type
+    }
     return {"processes": processes, "precision": precision, "settings": settings, **source}
 
 

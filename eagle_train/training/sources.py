@@ -47,13 +47,17 @@ def source_identity(target: TargetParts, hf_config, data: dict[str, Any]) -> dic
 
 
 def open_store(
-    path: Path | None, target: TargetParts, hf_config, aux_layers: list[int] | None = None
+    path: Path | None,
+    target: TargetParts,
+    hf_config,
+    aux_layers: list[int] | None = None,
+    reader: str = "draft.type=eagle3",
 ) -> tuple[FeatureStore, dict[str, Any]]:
     """The feature store at `path`, refused (StoreMismatchError naming the field) unless it was
     extracted from this target and, for an EAGLE-3 head (`aux_layers`), holds the inputs of exactly
-    those layers (eagle_train.store.reader.open_store). Its structure is checked when it is opened, each
+    those layers (eagle_train.store.reader.open_store; `reader` names the head in the refusal). Its structure is checked when it is opened, each
     shard's checksum when it is first read."""
-    store = open_feature_store(path, expected_target(target, hf_config), aux_layers)
+    store = open_feature_store(path, expected_target(target, hf_config), aux_layers, reader)
     if len(store) == 0:
         raise DataError(f"feature store {path}: no samples")
     return store, checkpoint_identity(target, hf_config)

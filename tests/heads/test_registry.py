@@ -11,6 +11,7 @@ import torch
 
 from eagle_train.config.draft import DRAFT_TYPES, DraftConfig
 from eagle_train.heads import KINDS, head_kind
+from eagle_train.modeling.dflash import DFlashHead
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.eagle3 import Eagle3Head
 from eagle_train.modeling.head_checkpoint import HEAD_MODELS, head_model, load_head, save_head
@@ -37,7 +38,13 @@ def heads(target):
         head.set_vocabulary(
             torch.zeros(target.vocab_size, dtype=torch.bool).index_fill(0, vocab, True), target.lm_head.weight
         )
-    return {"eagle1": DraftHead.from_target(target.config, 1, True), "eagle3": eagle3, "peagle": peagle}
+    dflash = DFlashHead.from_target(target.config, [1, 2], 4, 0, target=target, num_layers=2)
+    return {
+        "eagle1": DraftHead.from_target(target.config, 1, True),
+        "eagle3": eagle3,
+        "peagle": peagle,
+        "dflash": dflash,
+    }
 
 
 @pytest.mark.parametrize("kind", DRAFT_TYPES)
@@ -54,12 +61,14 @@ def test_a_saved_head_is_recognised_as_its_own_kind_and_loads_as_it(kind, heads,
 
 
 def test_each_kinds_contract_is_what_its_model_does(heads, target):
-    """reads_aux: the fc is as wide as the aux features (three target layers), not one hidden state;
-    own_lm_head: logits over the draft vocabulary, not the target's; drafts_in_catch_up: P-EAGLE alone."""
+    """reads_aux: the fc is as wide as the aux features (EAGLE-3: three target layers; DFlash: its
+    target_layer_ids), not one hidden state; own_lm_head: logits over the draft vocabulary, not the
+    target's; drafts_in_catch_up: P-EAGLE alone."""
     d = target.config.hidden_size
     for name, head in heads.items():
         kind = KINDS[name]
-        assert kind.reads_aux == (head.fc.weight.shape[1] == 3 * d)
+        width = len(head.aux_layers) * d if head.aux_layers else None
+        assert kind.reads_aux == (head.fc.weight.shape[1] == width)
         state = torch.zeros(1, 1, d)
         width = head.logits(state).shape[-1]
         assert kind.own_lm_head == (width == 64) and (width == target.vocab_size) != kind.own_lm_head
