@@ -191,7 +191,7 @@ def measure_costs(
         ids = torch.arange(context, device=device) % 97 + 3  # any tokens: the time does not depend on them
         causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()
         _, features = target.decode(
-            ids[None], torch.arange(context, device=device)[None], causal[None, None], cache, aux
+            ids[None], torch.arange(context, device=device)[None], causal[None, None], cache, aux, True
         )
         cache.advance(context)
         mask = torch.ones(1, 1, max_nodes, context + max_nodes, dtype=torch.bool, device=device)

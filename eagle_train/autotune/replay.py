@@ -167,7 +167,7 @@ def calibrate(
             cache = target.new_cache(n)
             causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             _, features = target.decode(
-                seq[None], torch.arange(n, device=device)[None], causal[None, None], cache, aux
+                seq[None], torch.arange(n, device=device)[None], causal[None, None], cache, aux, True
             )
             features = features[0]
             drafter.reset(capacity, GenerationStats())

@@ -273,14 +273,14 @@ class SpeculativeDecoder:
     # ---- target side ---------------------------------------------------------------------------------
 
     def _target_forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, features=True
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, features=True, last=False
     ):
         """(logits [q, vocab], the features the head reads [q, width]); `features=False` (plain decoding
-        steps) asks for no aux hidden states."""
+        steps) asks for no aux hidden states; `last`: the last token's logits only ([1, vocab])."""
         start = self.timer.start()
         aux = self.aux_layers if features else None
         logits, hidden = self.target.decode(
-            tokens.unsqueeze(0), positions.unsqueeze(0), mask, self.cache, aux
+            tokens.unsqueeze(0), positions.unsqueeze(0), mask, self.cache, aux, last_logits=last
         )
         self.timer.stop("time_target_forward", start)
         return logits[0], hidden[0]  # [q, vocab], [q, hidden]
@@ -296,7 +296,9 @@ class SpeculativeDecoder:
         """Target forward over the prompt; returns (first generated token, features [n, hidden])."""
         n = prompt.numel()
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        logits, hidden = self._target_forward(prompt, torch.arange(n, device=self.device), causal[None, None])
+        logits, hidden = self._target_forward(
+            prompt, torch.arange(n, device=self.device), causal[None, None], last=True
+        )
         self.cache.advance(n)
         return self._choose(logits[-1]), hidden
 

@@ -409,17 +409,22 @@ class Target(TargetParts):
         attention_mask: torch.Tensor,  # bool [1, 1, q, cache.seq_len + q], True = attend
         cache: StaticKVCache,
         aux_layers: list[int] | None = None,
+        last_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward of the stock model over new tokens. Their keys/values are written after
         the committed slots of `cache` (not committed: call `cache.advance` or `cache.compact`).
         Returns (logits [1, q, vocab], features): the last hidden state [1, q, hidden] (EAGLE-1's f,
-        after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3)."""
+        after the norm), or with `aux_layers` the inputs of those layers [1, q, 3 * hidden] (EAGLE-3).
+        `last_logits`: the logits of the last new token only, [1, 1, vocab] (a prefill reads no other: the
+        LM head over a long prompt's every position is most of a small model's prefill, and `generate`
+        skips it too)."""
         attention = self.decode_attention
         layout = self.attention_layout
         frozen = self._frozen_decoder
         if frozen is not None and layout.max_window is None and frozen.fits(input_ids.shape[1], cache):
             with attention_implementation(self.decoder.config, attention):
                 logits, hidden, hidden_states = frozen(input_ids, position_ids, attention_mask, cache)
+            logits = logits[:, -1:] if last_logits else logits
             return logits, hidden if aux_layers is None else select_layers(hidden_states, aux_layers)
         if layout.max_window is None:
             attention_mask = additive_mask(attention_mask, self.dtype)
@@ -441,7 +446,7 @@ class Target(TargetParts):
                 **kwargs,
             )
         hidden = out.last_hidden_state
-        logits = lm_head(hidden)
+        logits = lm_head(hidden[:, -1:] if last_logits else hidden)
         logits = logits if self.logit_transform.identity else self.logit_transform(logits)
         return logits, hidden if aux_layers is None else select_layers(out.hidden_states, aux_layers)
 
