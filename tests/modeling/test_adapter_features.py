@@ -115,7 +115,12 @@ def test_decode_returns_the_aux_features_of_new_tokens(target):
 def test_aux_layers_are_checked_against_the_target(target_cfg):
     from dataclasses import replace
 
-    from eagle_train.config.target import default_aux_layers, reference_aux_layers, resolve_aux_layers
+    from eagle_train.config.target import (
+        check_eagle3_aux_layers,
+        default_aux_layers,
+        reference_aux_layers,
+        resolve_aux_layers,
+    )
 
     assert reference_aux_layers(32) == default_aux_layers(32) == [2, 16, 29]
     assert reference_aux_layers(5) == [2, 2, 2] and default_aux_layers(5) == [1, 2, 4]
@@ -123,8 +128,12 @@ def test_aux_layers_are_checked_against_the_target(target_cfg):
     assert resolve_aux_layers([0, 3, 4], 5) == [0, 3, 4]
     with pytest.raises(ValueError, match=r"ids \[5\] are not layers of this 5-layer target"):
         resolve_aux_layers([1, 2, 5], 5)
+    # a store may hold any layers (a DFlash head's); an EAGLE-3 or P-EAGLE head fuses exactly three
+    assert replace(target_cfg, aux_layers=[1, 2]).aux_layers == [1, 2]
     with pytest.raises(ValueError, match="3 layer ids"):
-        replace(target_cfg, aux_layers=[1, 2])
+        check_eagle3_aux_layers([1, 2])
+    with pytest.raises(ValueError, match="layer ids >= 0"):
+        replace(target_cfg, aux_layers=[1, -2])
 
 
 @pytest.mark.parametrize("path", ["/no/such/model", "runs/models/missing", "./missing", ""])
