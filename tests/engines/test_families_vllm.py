@@ -15,7 +15,7 @@ from tests.families.test_matrix import NAMES, family_result
 pytestmark = pytest.mark.engine
 # draft tokens vLLM may choose differently from the built-in decoder: the tiny random targets' drafts have
 # near-ties that another CPU's float32 kernels break the other way (measured: phi3's EAGLE-1 head, equal counts
-# on an AMD EPYC, 2 fewer accepted of 45 on the CI machine of stop 35, the same 63 output tokens). Each such
+# on an AMD EPYC, 2 fewer accepted of 45 on an earlier CI machine, the same 63 output tokens). Each such
 # flip moves one accepted token to one more draft. The export itself is held to exact counters on stories260K
 # (tests/engines/test_vllm.py, with the bias-fold and missing-key controls that must fail them)
 NEAR_TIE_FLIPS = 3
