@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from eagle_train.training.loss import checkpointed_chunks
 
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's slot-weight decay per block size
 
@@ -131,20 +132,14 @@ def slot_ce(
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(CE [M], draft top-1 == label [M] bool) of every supervised slot; the [c, vocab] logits exist one
-    chunk of `chunk` slots at a time (with several chunks each is recomputed in the backward: activation
-    checkpointing), so memory stays bounded at any anchor count."""
+    chunk of `chunk` slots at a time (`checkpointed_chunks`), so memory stays bounded at any anchor count."""
 
     def part(st, lab):
         logits = draft_logits(st).float()  # [c, vocab]
         return F.cross_entropy(logits, lab, reduction="none"), (logits.argmax(-1) == lab).detach()
 
-    rows, hits = [], []
-    several = states.requires_grad and states.shape[0] > chunk
-    for lo in range(0, states.shape[0], chunk):
-        args = (states[lo : lo + chunk], labels[lo : lo + chunk])
-        ce, hit = checkpoint(part, *args, use_reentrant=False) if several else part(*args)
-        rows.append(ce)
-        hits.append(hit)
+    outs = checkpointed_chunks(part, (states, labels), chunk)
+    rows, hits = [out[0] for out in outs], [out[1] for out in outs]
     if not rows:
         return states.new_zeros(0, dtype=torch.float32), torch.zeros(
             0, dtype=torch.bool, device=states.device

@@ -22,7 +22,7 @@ CE sum over all depths / their trainable elements (no decay: `combine_ttt_terms`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -314,6 +314,19 @@ def combine_ttt_terms(
     return {"loss": total, **{f"ce_step{k + 1}": mean for k, mean in enumerate(means)}}
 
 
+def checkpointed_chunks(part: Callable, tensors: Sequence[torch.Tensor], chunk: int) -> list:
+    """`part(*slices)` over `tensors` (sliced alike along dim 0) `chunk` rows at a time, its outputs in
+    order. With a gradient wanted and several chunks, each chunk is recomputed in the backward (activation
+    checkpointing): no [rows, vocab] tensor a part makes outlives its chunk, whatever the row count."""
+    rows = tensors[0].shape[0]
+    several = tensors[0].requires_grad and rows > chunk
+    outs = []
+    for lo in range(0, rows, chunk):
+        args = [x[lo : lo + chunk] for x in tensors]
+        outs.append(checkpoint(part, *args, use_reentrant=False) if several else part(*args))
+    return outs
+
+
 def parallel_loss_sums(
     states: torch.Tensor,  # [M, d] the draft's outputs of the elements on the loss mask
     draft_logits: Callable[[torch.Tensor], torch.Tensor],  # [c, d] -> [c, draft_vocab]: the head's
@@ -355,13 +368,8 @@ def parallel_loss_sums(
             row = F.nll_loss(logp[tr], lab[tr], reduction="none")
         return row, hit  # row: [trainable elements of the chunk]
 
-    rows, hits = [], []
-    for lo in range(0, states.shape[0], chunk):
-        args = [x[lo : lo + chunk] for x in (states, target_hidden, labels, greedy, trainable)]
-        several = states.requires_grad and states.shape[0] > chunk
-        out = checkpoint(part, *args, use_reentrant=False) if several else part(*args)
-        rows.append(out[0])
-        hits.append(out[1].detach())
+    outs = checkpointed_chunks(part, (states, target_hidden, labels, greedy, trainable), chunk)
+    rows, hits = [out[0] for out in outs], [out[1].detach() for out in outs]
     zeros = torch.zeros(num_depths, device=states.device)
     if not rows:
         return {"ce": zeros, "correct": zeros, "tokens": zeros, "positions": zeros}
