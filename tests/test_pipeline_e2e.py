@@ -28,7 +28,9 @@ REDUCED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experiment", ["tiny_cpu", "tiny_cpu_eagle3", "tiny_cpu_peagle"])
+@pytest.mark.parametrize(
+    "experiment", [pytest.param("tiny_cpu", marks=pytest.mark.quick), "tiny_cpu_eagle3", "tiny_cpu_peagle"]
+)
 def test_reduced_demo(tmp_path, capsys, experiment):
     """The EAGLE-1 demo, the EAGLE-3 one (aux features in the store, an EAGLE-3 head through evaluation:
     every greedy answer equal to plain decoding's) and the P-EAGLE one (every method drafting a round in

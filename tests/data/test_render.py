@@ -134,6 +134,7 @@ def test_generation_prompt_is_the_prefix_before_the_last_reply(tokenizer, name):
         (MISTRAL_JINJA, "mistral"),
     ],
 )
+@pytest.mark.quick
 def test_hf_template_mask(tokenizer, jinja, name):
     tok = with_template(tokenizer, jinja)
     if name == "llama3":

@@ -279,7 +279,10 @@ def _node_paths(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_kind", ["trained_head", "trained_eagle3_head", "trained_peagle_head"])
+@pytest.mark.parametrize(
+    "head_kind",
+    [pytest.param("trained_head", marks=pytest.mark.quick), "trained_eagle3_head", "trained_peagle_head"],
+)
 @pytest.mark.parametrize("sample_children", [False, True])
 def test_sampling_is_lossless_on_stories260k(request, target, head_kind, sample_children):
     """The EAGLE-3 head's q lives on its 256-token draft vocabulary, the target's top-6 support does not:
