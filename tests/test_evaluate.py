@@ -19,8 +19,10 @@ from eagle_train.decoding.decoder import Round, record_rounds
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.tree import build_tree
 from eagle_train.evaluate import calibration_pairs, fit_prompt, run
+from eagle_train.modeling.dflash import DFlashHead
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import save_head
+from eagle_train.runtime.errors import InputError
 from tests.conftest import decoder_fine_tune
 
 
@@ -407,3 +409,29 @@ def test_a_head_trained_for_other_decoder_layers_is_flagged_naming_the_file(targ
     assert any(
         "weight files that differ: model.safetensors (sha256 recorded" in note for note in report["sanity"]
     ), report["sanity"]
+
+
+def test_a_dflash_head_is_evaluated_beside_hf_and_ar(target_cfg, target, tmp_path):
+    """A DFlash checkpoint through the evaluate stage: every chain answer is ar's and the model's own, tau
+    is reported; decode.shape=auto is refused in one line (it does not tune a DFlash chain)."""
+    torch.manual_seed(0)
+    head = DFlashHead.from_target(target.config, [2], 4, 0, target=target)
+    path = save_head(head, tmp_path / "dflash" / "final", {"target": "stories260k"})
+    cfg = EvaluateConfig(
+        target=target_cfg,
+        draft=DraftConfig(path=str(path)),
+        bench=["tinystories"],
+        methods=["hf", "ar", "chain"],
+        num_questions=2,
+        out_dir=str(tmp_path / "eval"),
+        num_threads=1,
+        decode=DecodeConfig(max_new_tokens=24, chain_length=3),
+        progress=False,
+    )
+    rows = {r["method"]: r for r in run(cfg)["results"]}
+    assert rows["chain"]["identical"] == rows["hf"]["identical"] == 2 and rows["chain"]["tau"] >= 1.0
+    answers = [json.loads(line) for line in (tmp_path / "eval" / "answers.jsonl").read_text().splitlines()]
+    assert all(a["model_check"] == {"kind": "identical"} for a in answers)
+    auto = replace(cfg, decode=DecodeConfig(max_new_tokens=24, shape="auto"), out_dir=str(tmp_path / "auto"))
+    with pytest.raises(InputError, match="decode.shape=auto does not tune a dflash head's chain yet"):
+        run(auto)

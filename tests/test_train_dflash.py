@@ -118,5 +118,5 @@ def test_online_gives_the_offline_first_step_loss(default_store, tiny_conversati
 
 
 def test_the_engine_evaluation_is_refused_for_a_dflash_head(tmp_path):
-    with pytest.raises(ValueError, match="decoding and export of DFlash heads .* are not built yet"):
+    with pytest.raises(ValueError, match="export of DFlash heads .* to vLLM's layout is not built yet"):
         make_cfg(tmp_path / "store", tmp_path / "run", "draft.type=dflash", "eval_engine=vllm")

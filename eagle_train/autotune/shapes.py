@@ -30,6 +30,7 @@ from eagle_train.autotune.replay import Calibration, auto_tree_paths, calibrate,
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.decoding.timing import median_pass, pass_orders
+from eagle_train.runtime.errors import InputError
 
 
 @dataclass
@@ -356,6 +357,11 @@ def tune_shapes(
     predicted pair beats the next by the factor `decisive` or more, or the race does not fit what is left
     of `budget` (autotune.budget: every part but the cost curves within its share of the evaluation).
     Returns (choice, costs, what it took)."""
+    if getattr(head, "drafts_block", False):  # its replay and cost curves assume a draft forward per depth
+        raise InputError(
+            f"decode.shape=auto does not tune a {head.kind} head's chain yet: give decode.chain_length=K "
+            f"(K <= {head.block_size - 1}, its block's mask slots)"
+        )
     budget = budget or Budget(None)
     start = time.perf_counter()
     sequences = greedy_sequences(target, prompts, max_new_tokens, lookahead=max_depth + 1, budget=budget)

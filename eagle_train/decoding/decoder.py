@@ -19,7 +19,10 @@ Methods: `ar` plain decoding in this harness (same cache code, one target forwar
 token), `chain`, `static_tree` (the static tree `cfg.tree_paths`), `dynamic_tree` (dynamic tree). The method is
 chosen once, at construction. A P-EAGLE head (`PEagleHead`) drafts every method's tree in ONE draft forward
 per round (the catch-up with its placeholders, `decoding.drafter`): `chain` is the chain vLLM drafts with
-`parallel_drafting`, `static_tree` / `dynamic_tree` trees built from the same forward's per-depth distributions. temperature 0 = greedy: the output equals `ar` token for token (in float32;
+`parallel_drafting`, `static_tree` / `dynamic_tree` trees built from the same forward's per-depth distributions.
+A DFlash head (`DFlashHead`, `drafts_block`) drafts a chain of min(chain_length, B - 1) tokens per round from
+ONE forward of the block [root, MASK x (B-1)] over its cached context (`decoding.drafter.BlockDrafter`);
+it runs `chain` only. temperature 0 = greedy: the output equals `ar` token for token (in float32;
 below it, up to near-ties: `decoding.identity`);
 temperature > 0: lossless rejection sampling (`decoding.verify`), the output is distributed as the
 target's. Hugging Face `generate`, the second baseline, lives outside this pure decoder
@@ -39,14 +42,13 @@ from typing import Any, Protocol
 import torch
 
 from eagle_train.config.decode import SPECULATIVE, DecodeConfig
-from eagle_train.decoding.drafter import Drafter
+from eagle_train.decoding.drafter import BlockDrafter, Drafter
 from eagle_train.decoding.expand import expand_dynamic, expand_parallel, expand_static, plan_static
 from eagle_train.decoding.kv_cache import StaticKVCache
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.timing import PhaseTimer
 from eagle_train.decoding.tree import Tree, chain_paths, shape_from_paths
 from eagle_train.decoding.verify import accept_greedy, accept_sampling, process_logits
-from eagle_train.modeling.draft import check_served
 
 
 class TargetModel(Protocol):
@@ -150,8 +152,11 @@ class SpeculativeDecoder:
                 "before decoding (eagle_train.autotune.shapes.tune_shapes, as the evaluate stage does); give "
                 "the decoder the chosen fields, or decode.shape=fixed / decode.tree=NAME"
             )
-        if head is not None:
-            check_served(head, "SpeculativeDecoder")  # DFlash: trained, not yet decoded
+        if cfg.method in ("static_tree", "dynamic_tree") and getattr(head, "drafts_block", False):
+            raise ValueError(
+                f"decode.method={cfg.method}: a {head.kind} head drafts a chain (decode.method=chain): trees "
+                "from its block's per-slot distributions are not built"
+            )
         self.target, self.head, self.cfg = target, head, cfg
         self.device = target.device
         self.aux_layers, self.vocab_map = head_reads(head, self.device)
@@ -160,7 +165,9 @@ class SpeculativeDecoder:
         self.tree_nodes, self.tree_inputs = 1, 0  # most nodes verified / draft inputs fed per round
         self.min_room = 1  # draft positions a round needs before the context limit
         if cfg.method in ("chain", "static_tree"):
-            paths = chain_paths(cfg.chain_length) if cfg.method == "chain" else cfg.tree_paths
+            paths = (
+                chain_paths(chain_depth(head, cfg.chain_length)) if cfg.method == "chain" else cfg.tree_paths
+            )
             self.shape = shape_from_paths(paths)
             self._plans = {self.shape.max_depth: plan_static(self.shape, self.device)}
             self.tree_nodes = self.tree_inputs = self.shape.size
@@ -173,7 +180,7 @@ class SpeculativeDecoder:
         if cfg.speculative:
             depth = self.shape.max_depth if cfg.method in ("chain", "static_tree") else cfg.depth + 1
         self.parallel = parallel_slots(head, depth)  # P-EAGLE's placeholders per draft forward
-        self._drafter: Drafter | None = None  # kept across generations (buffers, fused draft weights)
+        self._drafter: Drafter | BlockDrafter | None = None  # kept across generations (buffers, weights)
 
     @property
     def sampling(self) -> bool:
@@ -344,10 +351,13 @@ class SpeculativeDecoder:
         self.cache.compact(self.cache.seq_len, kept)
         return features.index_select(0, kept)
 
-    def _new_drafter(self) -> Drafter:
+    def _new_drafter(self) -> Drafter | BlockDrafter:
         """The decoder's drafter, reset for a generation with the current capacity (built on first use:
-        the lean forward fuses the head's weights once, so later changes to the head are not seen)."""
-        if self._drafter is None:
+        the lean forward fuses the head's weights once, so later changes to the head are not seen). A
+        DFlash head's: a `BlockDrafter` (no lean forward: one draft forward per round)."""
+        if self._drafter is None and getattr(self.head, "drafts_block", False):
+            self._drafter = BlockDrafter(self.head, self.capacity, self.stats, self.timer)
+        elif self._drafter is None:
             self._drafter = Drafter(
                 self.head,
                 self.capacity,
@@ -367,6 +377,12 @@ def parallel_slots(head: DraftModel | None, tree_depth: int) -> int:
     depth + 1) when it drafts in its catch-up (P-EAGLE: `drafts_in_catch_up`): one per depth after the
     first; 0 for other heads. The one home of that rule."""
     return max(tree_depth - 1, 0) if getattr(head, "drafts_in_catch_up", False) else 0
+
+
+def chain_depth(head: DraftModel | None, chain_length: int) -> int:
+    """The draft tokens of a head's chain per round: `chain_length`, at most the B - 1 mask slots of a
+    DFlash block (`drafts_block`). The one home of that rule."""
+    return min(chain_length, head.block_size - 1) if getattr(head, "drafts_block", False) else chain_length
 
 
 def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:

@@ -16,6 +16,11 @@ root, whatever their parents (it never sees the drafted tokens). The draft step 
 hands each input at depth k that row, so the chain, the static trees and the dynamic trees of
 `decoding.expand` are all drafted from that one forward (the placeholders' cache entries are written over
 at the next catch-up).
+
+A DFlash head (`drafts_block`) runs through `BlockDrafter`: its cache holds the context (every layer's keys
+and values of the target's features at the committed positions), appended at each catch-up and never
+recomputed, and the catch-up drafts the round's block [root, MASK x (B-1)] in one forward; slot k's
+distribution is handed to the draft step for depth k, as P-EAGLE's placeholder rows are.
 """
 
 from __future__ import annotations
@@ -148,9 +153,9 @@ class Drafter:
         """The tree draft step (see `decoding.expand`): inputs at `depth` below the root. P-EAGLE: the
         catch-up's placeholder row for depth + 1, one per input (no forward)."""
         if self.round_logp is not None:
-            if depth >= self.round_logp.shape[0]:
-                raise ValueError(f"a tree {depth + 1} deep from {self.parallel} P-EAGLE placeholders")
-            return self.round_logp[depth].expand(tokens.shape[0], -1)
+            return depth_rows(
+                self.round_logp, depth, tokens.shape[0], f"{self.parallel} P-EAGLE placeholders"
+            )
         m, base = tokens.shape[0], self.committed
         # [m, hidden]: each parent's draft state (depth 1: all children of the root, parents -1)
         features = self.root.expand(m, -1) if depth == 1 else self.hidden[parents]
@@ -163,3 +168,72 @@ class Drafter:
         self.hidden[self.fed : self.fed + m] = hidden
         self.fed += m
         return logp
+
+
+def depth_rows(round_logp: torch.Tensor, depth: int, m: int, source: str) -> torch.Tensor:
+    """The draft step of a head that drafted the whole round in one forward: row `depth` of `round_logp`
+    [depths, vocab] (the distribution of the nodes at depth + 1 below the root) for each of `m` inputs."""
+    if depth >= round_logp.shape[0]:
+        raise ValueError(f"a tree {depth + 1} deep from {source}")
+    return round_logp[depth].expand(m, -1)
+
+
+class BlockDrafter:
+    """Runs a DFlash head (`modeling.dflash.DFlashHead`) at decode time with a preallocated cache of its
+    context: the same calls as `Drafter` (`reset`, `catch_up`, the draft step, `rewind`) under the caller's
+    `torch.inference_mode()`. The block sits at the root's position onwards and attends to the whole context
+    and the whole block, as the head trained; slot k >= 1 gives the distribution of the token at depth k."""
+
+    def __init__(self, head, capacity: int, stats: GenerationStats, timer: PhaseTimer | None = None):
+        param = next(head.parameters())
+        self.head, self.device, self.dtype = head, param.device, param.dtype
+        self.block_size = int(head.block_size)
+        # [1, B]: the root (written per round), then the mask token in every other slot
+        self.block = torch.full((1, self.block_size), int(head.mask_token_id), device=self.device)
+        self.round_logp: torch.Tensor | None = None  # [B - 1, vocab]: slot k's distribution in row k - 1
+        self.capacity = -1
+        self.reset(capacity, stats, timer)
+
+    def reset(self, capacity: int, stats: GenerationStats, timer: PhaseTimer | None = None) -> None:
+        """Start a new generation of at most `capacity` committed positions (buffers kept when big enough)."""
+        self.stats = stats
+        self.timer = timer if timer is not None else PhaseTimer(stats)
+        self.committed = 0  # context positions in the cache = the position of the root token
+        self.round_logp = None
+        if capacity <= self.capacity:
+            self.cache.crop(0)
+            return
+        self.capacity = capacity
+        shape, total = attention_shape(self.head.config), capacity + self.block_size
+        layers = int(self.head.config.num_hidden_layers)
+        self.cache = StaticKVCache(
+            layers, shape.kv_heads, shape.head_dim, total, dtype=self.dtype, device=self.device
+        )
+        self.positions = torch.arange(total, device=self.device)
+
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Commit the context of the next positions (features [m, L d_t]: the target's, as `Drafter.catch_up`
+        takes them) and draft the block of the root tokens[-1], at the position after them. Returns the
+        draft log-probs [vocab] of the root's children; `round_logp` holds every slot's."""
+        m, start = tokens.shape[0], self.timer.start()
+        self.cache.crop(self.committed)  # last round's block entries are dropped
+        at = self.positions[self.committed : self.committed + m + self.block_size].unsqueeze(0)
+        self.head.write_context(features.to(self.dtype).unsqueeze(0), at[:, :m], self.cache)
+        self.committed += m
+        self.block[0, 0] = tokens[-1]
+        hidden = self.head.draft_block(self.block, at[:, m:], self.cache)[0, 1:]  # [B - 1, d]: slots 1..B-1
+        self.round_logp = torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
+        self.timer.stop("time_draft_forward", start)
+        return self.round_logp[0]
+
+    def rewind(self, committed: int) -> None:
+        """Forget the context after its first `committed` positions."""
+        self.committed = committed
+        self.cache.crop(committed)
+
+    def __call__(
+        self, tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, depth: int
+    ) -> torch.Tensor:
+        """The draft step (see `decoding.expand`): slot depth + 1's distribution for every input at `depth`
+        (no forward: the block's slots never see the tokens drafted before them)."""
+        return depth_rows(self.round_logp, depth, tokens.shape[0], f"a DFlash block of {self.block_size}")

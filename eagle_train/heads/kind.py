@@ -31,7 +31,8 @@ class HeadKind:
     """One kind of draft head: its model class, whose class attributes are the contract the decoder,
     the metrics and the checkpoints read (`reads_aux`: fed the target's auxiliary layers, so the
     feature store holds them; `own_lm_head`: its own LM head over a draft vocabulary;
-    `drafts_in_catch_up`: a round's drafts come from its catch-up forward; `recognise`: whether a
+    `drafts_in_catch_up`: a round's drafts come from its catch-up forward; `drafts_block`: they come
+    from one forward of a block over its cached context (DFlash); `recognise`: whether a
     config.json is one of its checkpoints), and what training and export ask of it:
 
     fresh(cfg, target, source, train)  a new head for draft settings `cfg` (torch seeded by the caller),

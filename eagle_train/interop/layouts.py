@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eagle_train.decoding.kv_cache import attention_shape
+from eagle_train.modeling.dflash import DFlashHead
 from eagle_train.modeling.draft import DraftHead, check_served
 from eagle_train.modeling.head_checkpoint import (
     CONFIG_NAME,
@@ -49,6 +50,7 @@ from eagle_train.modeling.head_checkpoint import (
     check_finite,
     check_head_files,
     head_model,
+    load_head,
     read_head_weights,
 )
 from eagle_train.modeling.target import DTYPE_NAMES
@@ -456,7 +458,7 @@ def load_draft(
     or a reference head (pytorch_model.bin or model.safetensors + config.json): EAGLE-1/2 heads
     (`DraftHead`) and EAGLE-3 heads (`Eagle3Head`: the reference's, SpecForge's, speculators') and
     P-EAGLE heads (`PEagleHead`: this project's, speculators', SpecForge's, NeMo's; `mask_token_id` for
-    a layout whose config.json records none).
+    a layout whose config.json records none) and DFlash heads (`DFlashHead`: this project's checkpoint).
 
     The target's embedding (EAGLE-1/2: and LM head) is shared into the head; it is returned in eval mode
     on the target's device and dtype (or `device`).
@@ -471,7 +473,10 @@ def load_draft(
         raw_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise InputError(f"{config_file}: not valid JSON ({err})") from err
-    check_served(head_model(raw_config), path)  # a kind the decoder cannot run yet (DFlash)
+    if head_model(raw_config) is DFlashHead:  # this project's checkpoint (vLLM's names, no `model.` prefix)
+        head, meta = load_head(path, target=target)
+        warn_other_target(path, meta, target)
+        return head.to(device or target.device, target.dtype).eval()
     check_head_files(path)
     raw_state, file = read_weights(path)
     from eagle_train.interop.eagle3_layouts import flat_config, is_eagle3, load_eagle3

@@ -12,8 +12,9 @@ context's own, the block's a..a+B-1). Slot k predicts t_{a+k} (no EAGLE shift). 
 the caller's mask (training.dflash.block_attention_mask; None: all of them, one block after its context).
 Parameter names are vLLM's DFlash contract without the `model.` prefix (fc, hidden_norm,
 layers.{i}.self_attn.{q,k,v,o}_proj, layers.{i}.self_attn.{q,k}_norm, layers.{i}.{input,post_attention}_
-layernorm, layers.{i}.mlp.{gate,up,down}_proj, norm), so an export is a rename. Decoding and export of
-DFlash heads are not built yet (`not_served`).
+layernorm, layers.{i}.mlp.{gate,up,down}_proj, norm), so an export is a rename (not built yet: `not_served`).
+At decode time the context's keys and values are cached per layer (`write_context`, appended as positions
+are committed) and a block attends to them and to itself (`draft_block`; decoding.drafter.BlockDrafter).
 """
 
 from __future__ import annotations
@@ -72,6 +73,30 @@ class DFlashAttention(nn.Module):
     def heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         return x.view(*x.shape[:2], heads, self.head_dim)  # [b, s, heads, head_dim]
 
+    def keys_values(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated at x's positions) and values [b, kv_heads, s, head_dim] of inputs x [b, s, d]:
+        the context's depend on the context alone, so decoding caches them (`DFlashHead.write_context`)."""
+        k = rotate(self.k_norm(self.heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2), cos_sin)
+        return k, self.heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+
+    def attend(
+        self,
+        block: torch.Tensor,  # [b, S, d] the normed layer input of the block slots
+        rope_block: tuple[torch.Tensor, torch.Tensor],  # cos, sin [b, S, head_dim]
+        keys: torch.Tensor,  # [b, kv_heads, K, head_dim] rotated
+        values: torch.Tensor,  # [b, kv_heads, K, head_dim]
+        attention_mask: torch.Tensor | None,  # bool [b, 1, S, K], True = attend; None: all
+    ) -> torch.Tensor:
+        """The block's queries over `keys` / `values`, through o_proj: [b, S, d]."""
+        q = rotate(self.q_norm(self.heads(self.q_proj(block), self.num_heads)).transpose(1, 2), rope_block)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask)  # [b, heads, S, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+
     def forward(
         self,
         block: torch.Tensor,  # [b, S, d] the normed layer input of the block slots
@@ -80,16 +105,8 @@ class DFlashAttention(nn.Module):
         rope_keys: tuple[torch.Tensor, torch.Tensor],  # cos, sin [b, C + S, head_dim]
         attention_mask: torch.Tensor | None,  # bool [b, 1, S, C + S], True = attend; None: all
     ) -> torch.Tensor:
-        keys_in = torch.cat([context, block], dim=1)  # [b, C + S, d]
-        q = self.q_norm(self.heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
-        k = self.k_norm(self.heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
-        v = self.heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
-        q, k = rotate(q, rope_block), rotate(k, rope_keys)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # [b, heads, S, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+        keys, values = self.keys_values(torch.cat([context, block], dim=1), rope_keys)  # [b, kv, C + S, hd]
+        return self.attend(block, rope_block, keys, values, attention_mask)
 
 
 class DFlashLayer(nn.Module):
@@ -107,6 +124,14 @@ class DFlashLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_keys, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def cached(self, x, rope_block, cache, index: int) -> torch.Tensor:
+        """`forward` with the context's keys / values read from layer `index` of `cache` (`write_context`):
+        the block's are written after its committed slots (not committed) and it attends to all of them."""
+        h = self.input_layernorm(x)
+        keys, values = cache.update(index, *self.self_attn.keys_values(h, rope_block))
+        x = x + self.self_attn.attend(h, rope_block, keys, values, None)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashHead(FrozenParts, nn.Module):
     """fc over L target layers' outputs, hidden_norm, N DFlash layers, the final norm; the target's frozen
@@ -116,8 +141,9 @@ class DFlashHead(FrozenParts, nn.Module):
     reads_aux = True  # fed the outputs of `target_layer_ids` (the store's aux features: `aux_layers`)
     own_lm_head = False  # the target's LM head (no reduced draft vocabulary yet)
     drafts_in_catch_up = False
+    drafts_block = True  # a round: one forward of [root, MASK x (B-1)] (decoding.drafter.BlockDrafter)
     vocab_map = None
-    not_served = "decoding and export of DFlash heads are not built yet (DFlash heads train only)"
+    not_served = "export of DFlash heads (vLLM's DFlashDraftModel layout) is not built yet"
 
     def __init__(
         self,
@@ -203,6 +229,28 @@ class DFlashHead(FrozenParts, nn.Module):
         rope_keys = self.rotary_emb(x, torch.cat([context_positions, block_positions], dim=1))
         for layer in self.layers:
             x = layer(x, context, rope_block, rope_keys, attention_mask)
+        return self.norm(x)
+
+    # ------------------------------------------------------------------------------- decoding
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache) -> None:
+        """Append the context of new committed positions to a decode-time cache (a
+        `decoding.kv_cache.StaticKVCache` of this head's layers): every layer's keys and values of
+        ctx = hidden_norm(fc(features)) [1, m, L d_t] at `positions` [1, m], committed after its slots."""
+        context = self.context(features)
+        rope = self.rotary_emb(context, positions)
+        for i, layer in enumerate(self.layers):
+            cache.update(i, *layer.self_attn.keys_values(context, rope))
+        cache.advance(features.shape[1])
+
+    def draft_block(self, block_ids: torch.Tensor, block_positions: torch.Tensor, cache) -> torch.Tensor:
+        """The normed states [1, S, d] of a block [1, S] at `block_positions` [1, S] attending to every
+        context entry of `cache` (`write_context`) and to the whole block: `forward` for one block after its
+        context, the context's keys and values read from the cache (the block's are left uncommitted)."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        rope_block = self.rotary_emb(x, block_positions)
+        for i, layer in enumerate(self.layers):
+            x = layer.cached(x, rope_block, cache, i)
         return self.norm(x)
 
     # ------------------------------------------------------------------------------- checkpoints

@@ -273,9 +273,10 @@ class DraftHead(FrozenParts, nn.Module):
     reads_aux = False  # features: the target's last hidden state, not the inputs of some of its layers
     own_lm_head = False  # logits through the target's LM head and output processing, not a draft vocabulary
     drafts_in_catch_up = False  # a round drafts one forward per tree level (P-EAGLE: all in its catch-up)
+    drafts_block = False  # a round's drafts are one block forward over a cached context (DFlash)
     aux_layers = None
     vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)
-    not_served: str | None = None  # why the decoder and the exports refuse it (DFlash: not built yet)
+    not_served: str | None = None  # why the exports refuse it (DFlash: not built yet)
 
     @classmethod
     def recognise(cls, raw: dict) -> bool:
@@ -303,8 +304,8 @@ class DraftHead(FrozenParts, nn.Module):
 
 
 def check_served(head, where: str | Path) -> None:
-    """InputError naming `where` and the head's kind when the decoder and the exports cannot take `head`
-    (a head or its class: its `not_served` reason)."""
+    """InputError naming `where` and the head's kind when the exports cannot take `head` (a head or its
+    class: its `not_served` reason)."""
     reason = getattr(head, "not_served", None)
     if reason:
         raise InputError(f"{where}: a {head.kind} head (draft.type={head.kind}): {reason}")

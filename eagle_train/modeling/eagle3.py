@@ -67,6 +67,7 @@ class Eagle3Head(FrozenParts, nn.Module):
     reads_aux = True
     own_lm_head = True
     drafts_in_catch_up = False
+    drafts_block = False
     not_served = None
 
     @classmethod

@@ -153,10 +153,8 @@ def train_eagle3_head(
     soft CE over a 256-token draft vocabulary) on the target's features of TinyStories text; kind
     "peagle": a P-EAGLE head (its mask token <unk>, COD over 4 depths)."""
     from eagle_train.config.train import CodConfig, LossConfig
-    from eagle_train.heads import head_kind
     from eagle_train.modeling.eagle3 import Eagle3Head
     from eagle_train.modeling.peagle import PEagleHead
-    from eagle_train.training.data import collate
 
     torch.manual_seed(seed)
     rows = _tinystories_rows(target)
@@ -168,6 +166,15 @@ def train_eagle3_head(
     head.set_vocabulary(_tinystories_vocabulary(target, vocab), target.lm_head.weight)
     head.share_target_weights(target)
     loss = LossConfig(ttt_steps=3, noise="none", cod=CodConfig(num_depths=4))
+    return train_with_objective(target, head, kind, loss, rows, hidden, aux, steps, batch, lr, seed)
+
+
+def train_with_objective(target, head, kind: str, loss, rows, hidden, aux, steps, batch, lr, seed):
+    """`steps` AdamW steps of `head` with its kind's own objective (`loss`: a LossConfig) on `batch` rows
+    [rows, seq] of the target's features (`hidden`, `aux`) a step, every position supervised."""
+    from eagle_train.heads import head_kind
+    from eagle_train.training.data import collate
+
     objective = head_kind(kind).objective(loss, target.lm_head.weight, target.logit_transform, head)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
     mask = torch.ones(rows.shape[1], dtype=torch.bool)
@@ -178,9 +185,9 @@ def train_eagle3_head(
             {"input_ids": rows[i], "loss_mask": mask, "hidden": hidden[i], "aux": aux[i]} for i in pick
         ]
         b = objective.prepare(collate(samples), g)
-        loss = objective.loss(objective.sums(head, b, None), objective.normalisers(b))
+        value = objective.loss(objective.sums(head, b, None), objective.normalisers(b))
         opt.zero_grad()
-        loss.backward()
+        value.backward()
         opt.step()
     return head.eval()
 
@@ -205,4 +212,41 @@ def random_peagle_head(target):
     head = PEagleHead.from_target(target.config, target.aux_layers, 256, 0, num_layers=2)
     head.set_vocabulary(_tinystories_vocabulary(target, 256), target.lm_head.weight)
     head.share_target_weights(target)
+    return head.eval()
+
+
+def train_dflash_head(
+    target, steps: int = 600, block: int = 4, layers: int = 1, lr: float = 3e-3, seed: int = 0
+):
+    """A small DFlash head trained with the package's own objective (blocks of `block` in one forward,
+    32 anchors per sequence) on the outputs of target layers 0, 1, 3 over TinyStories text (about 20 s)."""
+    from eagle_train.config.train import LossConfig
+    from eagle_train.modeling.dflash import DFlashHead
+
+    torch.manual_seed(seed)
+    rows = _tinystories_rows(target)
+    head = DFlashHead.from_target(target.config, [0, 1, 3], block, 0, target=target, num_layers=layers)
+    hidden, aux = target.aux_hidden_states(rows, None, head.aux_layers)
+    loss = LossConfig(num_anchors=32)
+    return train_with_objective(target, head, "dflash", loss, rows, hidden, aux, steps, 8, lr, seed)
+
+
+@pytest.fixture(scope="session")
+def trained_dflash_head(target):
+    """A one-layer DFlash head, blocks of 4 (a chain of at most 3 per round)."""
+    return train_dflash_head(target)
+
+
+@pytest.fixture(scope="session")
+def random_dflash_head(target):
+    """An untrained two-layer DFlash head (fixed seed), blocks of 6, reading target layers 1 and 2, its
+    norms away from 1 (so a wrongly applied norm shows)."""
+    from eagle_train.modeling.dflash import DFlashHead
+
+    torch.manual_seed(4)
+    head = DFlashHead.from_target(target.config, [1, 2], 6, 0, target=target, num_layers=2)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     return head.eval()

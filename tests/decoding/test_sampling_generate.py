@@ -57,6 +57,15 @@ def test_a_peagle_head_samples_the_targets_distribution(target, trained_peagle_h
     assert sequence_chi_square_p(counts, exact_joint) > 1e-3
 
 
+@pytest.mark.parametrize("name", ["chain", "chain_sampled"])
+def test_a_dflash_head_samples_the_targets_distribution(target, trained_dflash_head, exact_joint, name):
+    """DFlash drafts a round's chain from one block forward, slot k's q not knowing the tokens drafted
+    before it (its top-1, or a draw from it): still a proposal from q, so the output is the target's."""
+    counts = sample_counts(target, trained_dflash_head, CONFIGS[name])
+    assert all(seq in exact_joint for seq in counts)
+    assert sequence_chi_square_p(counts, exact_joint) > 1e-3
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_generate_samples_the_targets_distribution(target, trained_head, exact_joint, name):
     counts = sample_counts(target, trained_head, CONFIGS[name])

@@ -1,6 +1,6 @@
 """The DFlash head (eagle_train.modeling.dflash) on the real stories260K target: all blocks in one forward
 under the block mask equal each block run alone after its own context; its checkpoint holds vLLM's names
-and its mask token and loads back identical; decoding, evaluation (load_draft) and export refuse it."""
+and its mask token and loads back identical; load_draft (the evaluate stage's) loads it, export refuses it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from eagle_train.modeling.head_checkpoint import head_model, load_head, save_hea
 from eagle_train.runtime.errors import InputError
 from eagle_train.training.dflash import Blocks, block_attention_mask, block_positions
 
-NOT_BUILT = r"a dflash head \(draft.type=dflash\): decoding and export of DFlash heads are not built yet"
+NOT_BUILT = r"export: a dflash head \(draft.type=dflash\): export of DFlash heads .* is not built yet"
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +94,15 @@ def test_a_saved_head_has_vllms_names_and_its_mask_token_and_loads_back_identica
         load_head(tmp_path / "h")
 
 
-def test_decoding_evaluation_and_export_refuse_a_dflash_head(head, target, tmp_path):
+def test_export_refuses_a_dflash_head_and_load_draft_loads_it(head, target, tmp_path):
+    """The evaluate stage loads its head with load_draft (decoding: tests/decoding/test_dflash_decoding.py);
+    the export to vLLM's layout is not built."""
     save_head(head, tmp_path / "h", {"target": "stories260k"})
-    with pytest.raises(InputError, match=NOT_BUILT):
-        SpeculativeDecoder(target, head, DecodeConfig(method="chain"))
-    with pytest.raises(InputError, match=NOT_BUILT):
-        load_draft(tmp_path / "h", target)  # what the evaluate stage loads its head with
+    loaded = load_draft(tmp_path / "h", target)
+    assert type(loaded) is DFlashHead and not loaded.training and loaded.block_size == 4
+    for name, tensor in head.trainable_state_dict().items():
+        assert torch.equal(loaded.trainable_state_dict()[name], tensor), name
+    assert SpeculativeDecoder(target, loaded, DecodeConfig(method="chain")).generate([1, 5]).tokens
     with pytest.raises(InputError, match=NOT_BUILT):
         export_head(head, "vllm", tmp_path / "out")
     assert not (tmp_path / "out").exists()
