@@ -163,6 +163,7 @@ HEAD_ARGS = {"eagle1": (), "eagle3": EAGLE3, "peagle": PEAGLE}
 
 
 @pytest.mark.slow
+@pytest.mark.quick
 @pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle"])
 def test_resume_matches_an_uninterrupted_run_step_for_step(request, tmp_path, head):
     """P-EAGLE too: its COD samples come from the micro-batches' seeds, so the resumed run draws the same."""

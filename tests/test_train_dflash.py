@@ -38,6 +38,7 @@ def default_store(tiny_conversations, target_cfg, tmp_path_factory):
     return out
 
 
+@pytest.mark.quick
 def test_dflash_loss_falls_and_its_checkpoint_loads_back_to_the_trained_head(default_store, target, tmp_path):
     out = tmp_path / "run"
     args = ("draft.type=dflash", "draft.block_size=4", "loss.num_anchors=24", "max_steps=40")

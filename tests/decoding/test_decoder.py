@@ -45,9 +45,9 @@ HEADS = [
     "random_head",
     "trained_head",
     "random_eagle3_head",
-    "trained_eagle3_head",
+    pytest.param("trained_eagle3_head", marks=pytest.mark.quick),
     "random_peagle_head",
-    "trained_peagle_head",
+    pytest.param("trained_peagle_head", marks=pytest.mark.quick),
 ]
 
 

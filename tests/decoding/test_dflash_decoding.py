@@ -56,7 +56,9 @@ def test_the_cached_context_equals_a_recompute_over_the_whole_prefix(target, ran
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_kind", ["random_dflash_head", "trained_dflash_head"])
+@pytest.mark.parametrize(
+    "head_kind", ["random_dflash_head", pytest.param("trained_dflash_head", marks=pytest.mark.quick)]
+)
 def test_greedy_dflash_is_the_models_own_output_from_one_draft_forward_per_round(
     request, target, head_kind, monkeypatch
 ):
