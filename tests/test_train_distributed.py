@@ -24,6 +24,7 @@ from eagle_train.cli import compose
 from eagle_train.config.base import to_schema
 from eagle_train.config.train import TrainConfig
 from eagle_train.train import run
+from tests.test_train_dflash import DFLASH
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -57,7 +58,8 @@ def read_losses(out: Path) -> list[dict]:
 
 EAGLE3 = ("draft.type=eagle3", "draft.vocab_size=256", "loss.ttt_steps=3")
 PEAGLE = ("draft.type=peagle", "draft.vocab_size=256", "draft.num_layers=2", "loss.cod.num_depths=4")
-HEADS = {"eagle3": EAGLE3, "peagle": PEAGLE}
+HEADS = {"eagle3": EAGLE3, "peagle": PEAGLE, "dflash": DFLASH}
+DEEPEST = {"eagle3": "ce_step3", "peagle": "ce_depth4", "dflash": "ce_slot3"}  # the last step's / slot's CE
 
 
 def launch(
@@ -106,6 +108,13 @@ def single_peagle(tiny_store_aux, tmp_path_factory) -> Path:
     return single_run(tiny_store_aux, tmp_path_factory.mktemp("single_peagle"), PEAGLE)
 
 
+@pytest.fixture(scope="module")
+def single_dflash(tiny_store_aux, tmp_path_factory) -> Path:
+    """The same reference for a DFlash head (blocks of 4, 24 anchors per sequence): each micro-batch's
+    anchors come from its own seed, so the process layout does not change them."""
+    return single_run(tiny_store_aux, tmp_path_factory.mktemp("single_dflash"), DFLASH)
+
+
 def two_processes(config: str | None = None) -> list[str]:
     head = [ACCELERATE, "launch", "--num_processes", "2", "--main_process_port", str(free_port())]
     return [*head, "--config_file", config, "--mixed_precision", "no"] if config else [*head, "--multi_gpu"]
@@ -128,7 +137,7 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tiny_stor
     assert any(not torch.equal(wa[k], at_step2[k]) for k in wa)  # it trained between the checkpoints
 
 
-@pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle"])
+@pytest.mark.parametrize("head", ["eagle1", "eagle3", "peagle", "dflash"])
 def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(request, tmp_path, head):
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
@@ -150,22 +159,26 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_averages(request, tm
     assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) < 1e-5
 
 
-@pytest.mark.parametrize("head", ["eagle3", "peagle"])
+@pytest.mark.parametrize("head", ["eagle3", "peagle", "dflash"])
 def test_two_process_ddp_equals_one_process_for_an_eagle3_head(request, tiny_store_aux, tmp_path, head):
     """The training-time test runs the DDP-wrapped head once per step and its LM head outside the wrapper
-    (P-EAGLE: its placeholders too): the gradients still average over both ranks exactly as one process
-    accumulates them."""
+    (P-EAGLE: its placeholders too; DFlash: the target's LM head over the blocks' slots, in chunks): the
+    gradients still average over both ranks exactly as one process accumulates them, and the summed
+    per-slot / per-depth figures reduce to the same values."""
     single = request.getfixturevalue(f"single_{head}")
     env = {"ACCELERATE_USE_CPU": "true"}
     ddp = launch(two_processes(), tiny_store_aux, tmp_path / "ddp", env=env, extra=HEADS[head])
     reference = read_losses(single)
     assert [m["step"] for m in ddp] == [1, 2, 3, 4]
-    deepest = "ce_step3" if head == "eagle3" else "ce_depth4"
     for a, b in zip(ddp, reference, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a[deepest] == pytest.approx(
-            b[deepest], rel=1e-6
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a[DEEPEST[head]] == pytest.approx(
+            b[DEEPEST[head]], rel=1e-6
         )
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+        if head == "dflash":  # the same blocks on both layouts: their count, acceptance and slot accuracy
+            assert a["blocks"] == b["blocks"] and a["accept_len"] == pytest.approx(b["accept_len"], rel=1e-6)
+            assert a["acc_slot1"] == pytest.approx(b["acc_slot1"], rel=1e-6)
     wa, wb = weights(tmp_path / "ddp"), weights(single)
-    assert torch.equal(wa["t2d"], wb["t2d"]) and torch.equal(wa["d2t"], wb["d2t"])
+    if "t2d" in wb:  # a reduced draft vocabulary's maps: fixed, never trained
+        assert torch.equal(wa["t2d"], wb["t2d"]) and torch.equal(wa["d2t"], wb["d2t"])
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa if wa[k].is_floating_point()) < 1e-6
