@@ -36,7 +36,7 @@ from eagle_train.config.decode import AUTO_TREE_BASE, load_tree_paths
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.data.prompts import Question, bench_name, load_questions
 from eagle_train.data.render import ChatRenderer
-from eagle_train.decoding.decoder import SpeculativeDecoder
+from eagle_train.decoding.decoder import SpeculativeDecoder, chain_depth
 from eagle_train.decoding.identity import check_against_model, classify_answer
 from eagle_train.decoding.stats import GenerationStats, mean_accept_length
 from eagle_train.engines.vllm_engine import (
@@ -385,7 +385,7 @@ def engine_sections(
     engine_records, log_notes = run_engine(cfg, target, head_dir, records, out)
     write_answers(engine_records, out / "engine_answers.jsonl")
     engines = engine_section(records, engine_records, out, cfg.decode.chain_length, plots=cfg.plots)
-    engines["sanity"] = log_notes + engines["sanity"]
+    engines["sanity"] = log_notes + block_notes(head, cfg.decode.chain_length) + engines["sanity"]
     if not cfg.engine_concurrency:
         return engines, None, None
     try:
@@ -393,6 +393,19 @@ def engine_sections(
     except EngineError as err:
         engines["sanity"].append(f"the serving sweep failed: {str(err).splitlines()[0]}")
         return engines, None, err
+
+
+def block_notes(head, chain_length: int) -> list[str]:
+    """Why a DFlash head's counters differ in vLLM at K < B - 1: its blocks are K + 1 slots (docs/dflash.md)."""
+    k = chain_depth(head, chain_length)
+    if not getattr(head, "drafts_block", False) or k == head.block_size - 1:
+        return []
+    return [
+        f"a DFlash head drafting K = {k} of its block's {head.block_size - 1} mask slots: vLLM drafts from a "
+        f"block of K + 1 = {k + 1} slots, the built-in decoder from the trained {head.block_size}, so their "
+        f"acceptance differs by design (greedy output does not); decode.chain_length={head.block_size - 1} "
+        "compares the same blocks"
+    ]
 
 
 def draft_notes(cfg: EvaluateConfig, target: Target) -> list[str]:

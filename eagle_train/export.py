@@ -1,7 +1,7 @@
 """Stage: export a trained head to the layout vLLM, SGLang or the EAGLE reference loads.
 
     python -m eagle_train.export ckpt=runs/<run>/train/final format=vllm out_dir=exports/<name>
-    python -m eagle_train.export ckpt=... format=speculators speculative_tokens=3 out_dir=...  (EAGLE-3)
+    python -m eagle_train.export ckpt=... format=speculators speculative_tokens=3 out_dir=...  (EAGLE-3, DFlash)
 
 The output directory (config.json + model.safetensors, or pytorch_model.bin for format=eagle) is
 written atomically under an exclusive lock (eagle_train.runtime.output_lock); a non-empty directory that
@@ -108,7 +108,7 @@ def run(cfg: ExportConfig) -> Path:
         raise InputError("export: set out_dir=DIR (the directory to write)")
     ckpt = checkpoint_dir(cfg.ckpt)
     head, recorded = load_head(ckpt)
-    check_served(head, ckpt)  # DFlash: trained, not yet exported
+    check_served(head, ckpt)
     meta = export_meta(recorded, cfg, ckpt)
     embed = None
     kind = head_kind(head)

@@ -142,6 +142,20 @@ def weight_hash_cache(tmp_path_factory):
     os.environ.pop("EAGLE_TRAIN_CACHE", None)
 
 
+def untrained_dflash_head(target, block_size: int, seed: int):
+    """An untrained two-layer DFlash head reading target layers 1 and 2, mask token 0, in eval mode, its
+    norms drawn away from 1 (so a wrongly applied norm shows)."""
+    from eagle_train.modeling.dflash import DFlashHead
+
+    torch.manual_seed(seed)
+    head = DFlashHead.from_target(target.config, [1, 2], block_size, 0, target=target, num_layers=2)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return head.eval()
+
+
 def decoder_fine_tune(dest: Path) -> Path:
     """A copy of stories260K at `dest` whose decoder layer 0 was then changed in place (its MLP nudged),
     as a fine-tune of the layers alone would: same config, same embedding and LM head, other features."""

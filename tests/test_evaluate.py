@@ -18,7 +18,7 @@ from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.decoding.decoder import Round, record_rounds
 from eagle_train.decoding.stats import GenerationStats
 from eagle_train.decoding.tree import build_tree
-from eagle_train.evaluate import calibration_pairs, fit_prompt, run
+from eagle_train.evaluate import block_notes, calibration_pairs, fit_prompt, run
 from eagle_train.modeling.dflash import DFlashHead
 from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import save_head
@@ -435,3 +435,10 @@ def test_a_dflash_head_is_evaluated_beside_hf_and_ar(target_cfg, target, tmp_pat
     auto = replace(cfg, decode=DecodeConfig(max_new_tokens=24, shape="auto"), out_dir=str(tmp_path / "auto"))
     with pytest.raises(InputError, match="decode.shape=auto does not tune a dflash head's chain yet"):
         run(auto)
+    # engine=vllm: vLLM drafts from a block of K + 1 slots; below B - 1 the report says why the counters differ
+    assert (
+        block_notes(head, 3) == []
+        and block_notes(head, 9) == []
+        and block_notes(DraftHead(target.config), 1) == []
+    )
+    assert "vLLM drafts from a block of K + 1 = 2 slots" in block_notes(head, 1)[0]

@@ -300,13 +300,13 @@ def test_export_import_gives_identical_decoder_output(target, tmp_path, fmt, fc_
     assert_same_decoding(target, head, imported, abs_confidence=1e-5)  # the vllm fold rounds differently
 
 
-def assert_same_decoding(target, head, imported, abs_confidence: float) -> None:
-    """The EAGLE-2 decoder emits, drafts and accepts the same with both heads (tokens, rounds, accepted
-    lengths, acceptance by position); draft confidences within rounding."""
+def assert_same_decoding(target, head, imported, abs_confidence: float, cfg=None) -> None:
+    """The EAGLE-2 decoder (or `cfg`'s) emits, drafts and accepts the same with both heads (tokens, rounds,
+    accepted lengths, acceptance by position); draft confidences within rounding."""
     from eagle_train.config.decode import DecodeConfig
     from eagle_train.decoding.decoder import SpeculativeDecoder
 
-    cfg = DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=12, max_new_tokens=16)
+    cfg = cfg or DecodeConfig(method="dynamic_tree", depth=3, top_k=4, total_tokens=12, max_new_tokens=16)
     prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426]
     runs = [SpeculativeDecoder(target, h, cfg).generate(prompt) for h in (head, imported)]
     assert runs[0].tokens == runs[1].tokens
@@ -376,3 +376,54 @@ def test_peagle_export_ships_the_targets_embedding_and_decodes_as_trained(target
         assert torch.equal(embed[1:], target.embed_tokens.weight[1:])  # the target's, not a random one
         assert torch.equal(embed[0], head.mask_embedding.detach())
     assert_same_decoding(target, head.eval(), load_draft(tmp_path / fmt, target), abs_confidence=1e-3)
+
+
+@pytest.fixture
+def ckpt_dflash(target, tmp_path):
+    """A DFlash checkpoint as training writes it: two layers reading target layers 1 and 2, blocks of 4."""
+    from eagle_train.modeling.dflash import DFlashHead
+
+    torch.manual_seed(6)
+    head = DFlashHead.from_target(target.config, [1, 2], 4, 0, target=target, num_layers=2)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+    meta = {"target": {"name": "stories260k", "source": str(STORIES260K), "config_hash": "x"}, "max_len": 384}
+    return save_head(head, tmp_path / "ckpt_dflash", meta), head.eval()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_dflash_export_import_gives_identical_decoder_output(target, tmp_path, ckpt_dflash, fmt):
+    """The export stage on a DFlash checkpoint: vLLM's layout (`DFlashDraftModel`, `dflash_config` with the
+    layers' own ids) or the speculators format (`aux_hidden_state_layer_ids` = those ids + 1, K cut to the
+    block's B - 1), tensors without a `model.` prefix; load_draft decodes exactly as the trained head does,
+    at the re-expressed head_dim too (exactness of that: tests/interop/test_reexpress.py)."""
+    from eagle_train.config.decode import DecodeConfig
+
+    ckpt, head = ckpt_dflash
+    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}", "speculative_tokens=7"))
+    config = json.loads((out / "config.json").read_text())
+    if fmt == "vllm":
+        assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+        assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 2]}
+        assert config["layer_types"] == ["full_attention"] * 2 and config["block_size"] == 4
+    else:
+        assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [2, 3]
+        assert config["transformer_layer_config"]["architectures"] == ["DFlashDraftModel"]
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        assert config["mask_token_id"] == 0 and config["sliding_window_non_causal"] is True
+    assert set(load_file(str(out / "model.safetensors"))) == set(head.trainable_state_dict())
+    cfg = DecodeConfig(method="chain", chain_length=3, max_new_tokens=16)
+    assert_same_decoding(target, head, load_draft(out, target), abs_confidence=1e-5, cfg=cfg)
+    del config["eagle_train"]  # as vLLM's or the speculators library's own file: recognised by its fields
+    (out / "config.json").write_text(json.dumps(config))
+    assert_same_decoding(target, head, load_draft(out, target), abs_confidence=1e-5, cfg=cfg)
+    wide = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / 'wide'}", "head_dim=32"))
+    assert load_draft(wide, target).config.head_dim == 32
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "eagle"])
+def test_a_dflash_head_has_no_sglang_or_reference_layout(ckpt_dflash, tmp_path, fmt):
+    with pytest.raises(InputError, match=f"format={fmt}: a DFlash head: .* has no DFlash layout here"):
+        run(export_cfg(f"ckpt={ckpt_dflash[0]}", f"format={fmt}", f"out={tmp_path / fmt}"))
+    assert not (tmp_path / fmt).exists()

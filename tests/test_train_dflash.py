@@ -118,6 +118,7 @@ def test_online_gives_the_offline_first_step_loss(default_store, tiny_conversati
         assert online[key] == pytest.approx(offline[key], rel=1e-5), key
 
 
-def test_the_engine_evaluation_is_refused_for_a_dflash_head(tmp_path):
-    with pytest.raises(ValueError, match="export of DFlash heads .* to vLLM's layout is not built yet"):
-        make_cfg(tmp_path / "store", tmp_path / "run", "draft.type=dflash", "eval_engine=vllm")
+def test_the_engine_evaluation_takes_a_dflash_head(tmp_path):
+    """Its export and vLLM's `method: dflash` exist (tests/engines/test_vllm_dflash.py)."""
+    cfg = make_cfg(tmp_path / "store", tmp_path / "run", "draft.type=dflash", "eval_engine=vllm")
+    assert cfg.eval_engine == "vllm" and cfg.draft.type == "dflash"

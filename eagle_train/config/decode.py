@@ -101,6 +101,13 @@ class DecodeConfig:
         return tuple(auto)
 
 
+def block_chain_length(chain_length: int, block_size: int) -> int:
+    """The draft tokens a chain of `chain_length` takes from a block of `block_size` (a DFlash head: slot 0
+    is the verified token, so at most the B - 1 mask slots). The one home of that rule (the built-in
+    decoder's `chain_depth`, vLLM's `num_speculative_tokens`, the speculators format's K)."""
+    return min(int(chain_length), int(block_size) - 1)
+
+
 def method_name(name: str) -> str:
     """A decode method's name, a former name (METHOD_ALIASES) given as the current one."""
     return METHOD_ALIASES.get(name, name)

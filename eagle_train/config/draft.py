@@ -15,7 +15,7 @@ class DraftConfig:
     EAGLE-3 (fc over three target layers, training-time test, its own LM head over a reduced vocabulary)
     P-EAGLE (an EAGLE-3 head that drafts K tokens in one forward from learned placeholders) or DFlash
     (Qwen3-style layers drafting a block of mask tokens in one forward, the target's context injected as
-    keys and values in every layer: docs/dflash.md; trained and decoded, not yet exported)."""
+    keys and values in every layer: docs/dflash.md; trained, decoded and exported)."""
 
     # eagle1 (EAGLE-1/2 head) | eagle3 (EAGLE-3 / EAGLE-3.1 head) | peagle (P-EAGLE) | dflash (DFlash)
     type: str = "eagle1"

@@ -152,3 +152,9 @@ def resolve_dflash_layers(requested: list[int] | None, num_layers: int, num_draf
 def dflash_aux_layers(target_layer_ids: list[int]) -> list[int]:
     """The feature store's names (the INPUT of layer i, `aux_layers`) of DFlash's layers (their OUTPUTS)."""
     return [int(i) + 1 for i in target_layer_ids]
+
+
+def dflash_target_layers(aux_layers: list[int]) -> list[int]:
+    """The DFlash layer ids (their OUTPUTS, z-lab's convention) of aux-state layer ids (their INPUTS: the
+    speculators format's `aux_hidden_state_layer_ids`): `dflash_aux_layers` undone."""
+    return [int(i) - 1 for i in aux_layers]

@@ -238,9 +238,5 @@ class TrainConfig:
             )
         if self.draft.type in EAGLE3_FAMILY:
             check_eagle3_aux_layers(self.target.aux_layers)
-        if self.draft.type == "dflash" and self.eval_engine != "none":
-            raise ValueError(
-                "eval_engine: export of DFlash heads (draft.type=dflash) to vLLM's layout is not built yet"
-            )
         if self.loss.noise is None:
             self.loss.noise = "uniform" if self.draft.type == "eagle1" else "none"

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle_train.config.decode import SPECULATIVE, DecodeConfig
+from eagle_train.config.decode import SPECULATIVE, DecodeConfig, block_chain_length
 from eagle_train.decoding.drafter import BlockDrafter, Drafter
 from eagle_train.decoding.expand import expand_dynamic, expand_parallel, expand_static, plan_static
 from eagle_train.decoding.kv_cache import StaticKVCache
@@ -381,8 +381,12 @@ def parallel_slots(head: DraftModel | None, tree_depth: int) -> int:
 
 def chain_depth(head: DraftModel | None, chain_length: int) -> int:
     """The draft tokens of a head's chain per round: `chain_length`, at most the B - 1 mask slots of a
-    DFlash block (`drafts_block`). The one home of that rule."""
-    return min(chain_length, head.block_size - 1) if getattr(head, "drafts_block", False) else chain_length
+    DFlash block (`drafts_block`: config.decode.block_chain_length)."""
+    return (
+        block_chain_length(chain_length, head.block_size)
+        if getattr(head, "drafts_block", False)
+        else chain_length
+    )
 
 
 def head_reads(head: DraftModel | None, device: torch.device) -> tuple[list[int] | None, torch.Tensor | None]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_train.config.base import PACKAGE_DIR
+from eagle_train.config.decode import block_chain_length
 from eagle_train.config.evaluate import ENGINE_BASELINES
 from eagle_train.report.results import add_spec_counts, spec_counts
 from eagle_train.runtime.errors import UserError
@@ -145,16 +146,19 @@ def speculative_config(head_dir: str | Path, num_tokens: int) -> dict[str, Any]:
     """vLLM's `speculative_config` for the head in `head_dir` drafting a chain of `num_tokens`: method
     `eagle3` for an EAGLE-3 head (its config.json names an Eagle3 architecture or a speculators type),
     with `parallel_drafting` for a P-EAGLE head (speculators type peagle, or vLLM's `pard_token`: all
-    `num_tokens` drafts from one forward), else `eagle`."""
+    `num_tokens` drafts from one forward), `dflash` for a DFlash head (`dflash_config` or speculators type
+    dflash: at most its block's B - 1 mask slots, as the built-in decoder drafts), else `eagle`."""
     config_file = Path(head_dir) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     kind = config.get("speculators_model_type")
+    dflash = kind == "dflash" or "dflash_config" in config
     peagle = kind == "peagle" or "pard_token" in config
     eagle3 = peagle or kind == "eagle3" or any("Eagle3" in a for a in config.get("architectures") or [])
+    block = config.get("block_size") if dflash else None
     return {
-        "method": "eagle3" if eagle3 else "eagle",
+        "method": "dflash" if dflash else "eagle3" if eagle3 else "eagle",
         "model": str(Path(head_dir).resolve()),
-        "num_speculative_tokens": int(num_tokens),
+        "num_speculative_tokens": block_chain_length(num_tokens, block) if block else int(num_tokens),
         **({"parallel_drafting": True} if peagle else {}),
     }
 

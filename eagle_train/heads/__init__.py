@@ -3,7 +3,7 @@
 eagle1.py  EAGLE-1/2: the target's last hidden state and LM head
 eagle3.py  EAGLE-3 / 3.1: three target layers, its own LM head over a draft vocabulary
 peagle.py  P-EAGLE: an EAGLE-3 head drafting K tokens in one forward
-dflash.py  DFlash: a block of B tokens in one forward, the context as keys and values (not exported yet)
+dflash.py  DFlash: a block of B tokens in one forward, the context as keys and values
 
 A kind's model class (eagle_train.modeling) states the drafting contract and recognises its checkpoints
 (modeling.head_checkpoint.HEAD_MODELS lists the classes); its module here adds what the training and

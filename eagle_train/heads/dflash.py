@@ -2,7 +2,8 @@
 (fc over the outputs of `draft.target_layer_ids`) injected as keys and values in every layer
 (modeling.dflash.DFlashHead), trained on all blocks of a batch in one forward (DFlashObjective). Its mask
 token is `draft.mask_token_id` or chosen as P-EAGLE's is (heads/peagle.choose_mask_token), never one the
-data holds or the target emits. The built-in decoder drafts with it (`chain`); its export is not built yet."""
+data holds or the target emits. The built-in decoder drafts with it (`chain`); it is exported to vLLM's layout and the speculators format
+(interop.dflash_layouts)."""
 
 from __future__ import annotations
 

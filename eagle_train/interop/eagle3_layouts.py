@@ -30,17 +30,16 @@ its config.json: the caller must name it) and NeMo AutoModel's (`model.` prefixe
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from eagle_train.config.target import reference_aux_layers, resolve_aux_layers
+from eagle_train.interop.layouts import files_writer
 from eagle_train.modeling.draft import frozen_modules
 from eagle_train.modeling.draft_vocab import t2d_from_d2t
 from eagle_train.modeling.eagle3 import (
@@ -50,7 +49,7 @@ from eagle_train.modeling.eagle3 import (
     eagle3_from_config,
     recorded_aux_layers,
 )
-from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME
+from eagle_train.modeling.head_checkpoint import CONFIG_NAME
 from eagle_train.modeling.peagle import (
     PEAGLE_FIELDS,
     check_placeholder_tensors,
@@ -134,23 +133,29 @@ def export_config(head: Eagle3Head, fmt: str, llama: dict[str, Any], info: dict[
         "eagle_aux_hidden_state_layer_ids": ids,
         "tie_word_embeddings": False,
         "torch_dtype": llama["torch_dtype"],
-        "speculators_config": {
-            "algorithm": head.kind,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": k,
-                    "accept_tolerance": 0.0,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {
-                "name_or_path": info.get("target_source") or info.get("target"),
-                "architectures": list(info.get("target_architectures") or []),
-            },
-        },
+        "speculators_config": speculators_block(head.kind, k, info),
         "eagle_train": info,
+    }
+
+
+def speculators_block(algorithm: str, k: int, info: dict[str, Any]) -> dict[str, Any]:
+    """The speculators format's `speculators_config`: the algorithm, K greedy drafts, the verifier (the
+    target's id and architectures from the export's `eagle_train` block `info`)."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": k,
+                "accept_tolerance": 0.0,
+                "verifier_accept_k": 1,
+            }
+        ],
+        "verifier": {
+            "name_or_path": info.get("target_source") or info.get("target"),
+            "architectures": list(info.get("target_architectures") or []),
+        },
     }
 
 
@@ -177,15 +182,7 @@ def eagle3_writer(
             raise InputError(f"embedding shape {tuple(embed_tokens.shape)} does not match the head's config")
         state["embed_tokens.weight"] = embed_tokens.detach().to("cpu", dtype).contiguous()
     config = export_config(head, fmt, llama, {**info, "type": head.kind}, speculative_tokens)
-
-    def write(tmp: Path) -> None:
-        if fmt == "eagle":
-            torch.save(state, tmp / "pytorch_model.bin")
-        else:
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-    return write
+    return files_writer(state, config, bin_file=fmt == "eagle")
 
 
 # ---------------------------------------------------------------------------------------------- import

@@ -50,7 +50,6 @@ from eagle_train.modeling.head_checkpoint import (
     check_finite,
     check_head_files,
     head_model,
-    load_head,
     read_head_weights,
 )
 from eagle_train.modeling.target import DTYPE_NAMES
@@ -214,6 +213,11 @@ def export_head(
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")
     dtype = dtype or head.fc.weight.dtype
+    if head.kind == "dflash":
+        from eagle_train.interop.dflash_layouts import dflash_writer  # it builds on this module's helpers
+
+        write = dflash_writer(head, fmt, {**(meta or {}), "format": fmt}, dtype, speculative_tokens)
+        return publish_export(out_dir, fmt, write, replace_whole)
     if head.reads_aux:  # EAGLE-3 and P-EAGLE
         from eagle_train.interop.eagle3_layouts import eagle3_writer  # it builds on this module's helpers
 
@@ -260,15 +264,23 @@ def export_head(
     config["architectures"] = [ARCHITECTURES[fmt]]
     config["eagle_train"] = info
     state = {k: v.to(dtype).contiguous() for k, v in sorted(state.items())}
+    return publish_export(out_dir, fmt, files_writer(state, config, bin_file=fmt == "eagle"), replace_whole)
+
+
+def files_writer(
+    state: dict[str, torch.Tensor], config: dict[str, Any], bin_file: bool = False
+) -> Callable[[Path], None]:
+    """`write(dir)`: an export's files: `state` as model.safetensors (`bin_file`: pytorch_model.bin, the
+    reference's) and `config` as config.json."""
 
     def write(tmp: Path) -> None:
-        if fmt == "eagle":
+        if bin_file:
             torch.save(state, tmp / BIN_NAME)
         else:
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    return publish_export(out_dir, fmt, write, replace_whole)
+    return write
 
 
 def publish_export(out_dir: Path, fmt: str, write: Callable[[Path], None], replace_whole: bool) -> Path:
@@ -458,7 +470,8 @@ def load_draft(
     or a reference head (pytorch_model.bin or model.safetensors + config.json): EAGLE-1/2 heads
     (`DraftHead`) and EAGLE-3 heads (`Eagle3Head`: the reference's, SpecForge's, speculators') and
     P-EAGLE heads (`PEagleHead`: this project's, speculators', SpecForge's, NeMo's; `mask_token_id` for
-    a layout whose config.json records none) and DFlash heads (`DFlashHead`: this project's checkpoint).
+    a layout whose config.json records none) and DFlash heads (`DFlashHead`: this project's checkpoint,
+    vLLM's and z-lab's layout, the speculators format: interop.dflash_layouts).
 
     The target's embedding (EAGLE-1/2: and LM head) is shared into the head; it is returned in eval mode
     on the target's device and dtype (or `device`).
@@ -473,8 +486,10 @@ def load_draft(
         raw_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise InputError(f"{config_file}: not valid JSON ({err})") from err
-    if head_model(raw_config) is DFlashHead:  # this project's checkpoint (vLLM's names, no `model.` prefix)
-        head, meta = load_head(path, target=target)
+    if head_model(raw_config) is DFlashHead:  # this project's, vLLM's (z-lab's) or the speculators layout
+        from eagle_train.interop.dflash_layouts import load_dflash
+
+        head, meta = load_dflash(path, raw_config, target)
         warn_other_target(path, meta, target)
         return head.to(device or target.device, target.dtype).eval()
     check_head_files(path)

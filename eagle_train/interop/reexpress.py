@@ -11,6 +11,10 @@ head_dim D is the same function with head_dim N = r * D when, per head (q, k and
 - o_proj's input columns move the same way;
 - q is scaled by sqrt(r), so the softmax scale 1/sqrt(N) gives q.k/sqrt(D) as before (r = 4: a factor
   2, exact in floating point).
+- per-head RMSNorms on q and k (Qwen3-style attention: a DFlash head's `q_norm` / `k_norm`): their weights
+  move to the same slots. The norm's mean runs over N slots, r times as many: k_proj is scaled by sqrt(r)
+  too, so both means are the original ones (eps unchanged); the normed q keeps its factor sqrt(r) (for
+  the softmax scale) and k_norm's weight is divided by sqrt(r) to give the original k.
 
 `widen_state` applies this to any state dict (a target's `model.layers.N.self_attn.*` or a draft head's
 `layers.N.self_attn.*`, an EAGLE-3 head's `midlayer.self_attn.*`); `widen_model_dir` writes a re-expressed
@@ -55,6 +59,7 @@ from eagle_train.runtime.errors import InputError, user_errors
 from eagle_train.runtime.output_lock import OutputLock
 
 ATTENTION_KEY = re.compile(r"(^|\.)self_attn\.([qkvo])_proj\.(weight|bias)$")
+HEAD_NORM_KEY = re.compile(r"(^|\.)self_attn\.([qk])_norm\.weight$")  # per-head RMSNorm (Qwen3-style)
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
 # files of a model directory that describe the tokenizer and generation, copied as they are
 SIDE_FILES = (
@@ -101,8 +106,17 @@ def widen_state(state: dict[str, torch.Tensor], head_dim: int, new_head_dim: int
     """A new state dict: every attention projection re-expressed with `new_head_dim` (others shared)."""
     check_head_dims(head_dim, new_head_dim)
     scale = math.sqrt(new_head_dim / head_dim)
+    normed = {
+        key[: m.start(0)] for key in state if (m := HEAD_NORM_KEY.search(key))
+    }  # their layers' prefixes
     out = {}
     for key, value in state.items():
+        if match := HEAD_NORM_KEY.search(key):  # [head_dim], shared by the heads; k's undoes k_proj's scale
+            wide = _spread(
+                value.double() / (scale if match.group(2) == "k" else 1.0), 0, head_dim, new_head_dim
+            )
+            out[key] = wide.to(value.dtype)
+            continue
         match = ATTENTION_KEY.search(key)
         if match is None:
             out[key] = value
@@ -111,8 +125,9 @@ def widen_state(state: dict[str, torch.Tensor], head_dim: int, new_head_dim: int
         if proj == "o":  # [hidden, heads * head_dim]: its input columns move; its bias is per output
             out[key] = value if kind == "bias" else _spread(value, 1, head_dim, new_head_dim)
             continue
-        wide = _spread(value.double() if proj == "q" else value, 0, head_dim, new_head_dim)
-        out[key] = (wide * scale).to(value.dtype) if proj == "q" else wide
+        scaled = proj == "q" or (proj == "k" and key[: match.start(0)] in normed)
+        wide = _spread(value.double() if scaled else value, 0, head_dim, new_head_dim)
+        out[key] = (wide * scale).to(value.dtype) if scaled else wide
     return out
 
 
@@ -214,7 +229,7 @@ def widen_model_dir(
 
 @torch.no_grad()
 def widen_head(head: DraftHead | Eagle3Head, new_head_dim: int) -> DraftHead | Eagle3Head:
-    """The draft head (EAGLE-1/2, EAGLE-3 or P-EAGLE: every layer's attention the same way) re-expressed with
+    """The draft head (EAGLE-1/2, EAGLE-3, P-EAGLE or DFlash: every layer's attention the same way) re-expressed with
     `new_head_dim` (same outputs; `head` itself if it has that head_dim)."""
     config_dict = head.config.to_dict()
     head_dim = check_exact(config_dict)

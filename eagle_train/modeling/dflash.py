@@ -12,7 +12,8 @@ context's own, the block's a..a+B-1). Slot k predicts t_{a+k} (no EAGLE shift). 
 the caller's mask (training.dflash.block_attention_mask; None: all of them, one block after its context).
 Parameter names are vLLM's DFlash contract without the `model.` prefix (fc, hidden_norm,
 layers.{i}.self_attn.{q,k,v,o}_proj, layers.{i}.self_attn.{q,k}_norm, layers.{i}.{input,post_attention}_
-layernorm, layers.{i}.mlp.{gate,up,down}_proj, norm), so an export is a rename (not built yet: `not_served`).
+layernorm, layers.{i}.mlp.{gate,up,down}_proj, norm), so an export writes them as they are
+(interop.dflash_layouts: vLLM's layout and the speculators format).
 At decode time the context's keys and values are cached per layer (`write_context`, appended as positions
 are committed) and a block attends to them and to itself (`draft_block`; decoding.drafter.BlockDrafter).
 """
@@ -143,7 +144,6 @@ class DFlashHead(FrozenParts, nn.Module):
     drafts_in_catch_up = False
     drafts_block = True  # a round: one forward of [root, MASK x (B-1)] (decoding.drafter.BlockDrafter)
     vocab_map = None
-    not_served = "export of DFlash heads (vLLM's DFlashDraftModel layout) is not built yet"
 
     def __init__(
         self,
@@ -298,7 +298,13 @@ class DFlashHead(FrozenParts, nn.Module):
 
 
 def is_dflash_config(raw: dict) -> bool:
-    """Whether a head's config.json describes a DFlash head (this project's, or vLLM's contract)."""
+    """Whether a head's config.json describes a DFlash head (this project's, vLLM's contract, or the
+    speculators format's type `dflash`)."""
     archs = raw.get("architectures") or []
     kind = (raw.get("eagle_train") or {}).get("type")
-    return kind == "dflash" or ARCHITECTURE in archs or "dflash_config" in raw
+    return (
+        kind == "dflash"
+        or ARCHITECTURE in archs
+        or "dflash_config" in raw
+        or raw.get("speculators_model_type") == "dflash"
+    )

@@ -276,7 +276,7 @@ class DraftHead(FrozenParts, nn.Module):
     drafts_block = False  # a round's drafts are one block forward over a cached context (DFlash)
     aux_layers = None
     vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)
-    not_served: str | None = None  # why the exports refuse it (DFlash: not built yet)
+    not_served: str | None = None  # why the exports refuse it (None: every kind is exported today)
 
     @classmethod
     def recognise(cls, raw: dict) -> bool:

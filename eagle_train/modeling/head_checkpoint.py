@@ -145,12 +145,26 @@ def load_head(
             raise FileNotFoundError(f"draft checkpoint {path}: missing {f.name}")
     check_head_files(path)
     raw = read_json(config_file, "draft head config")
+    head, meta = build_head(raw, read_head_weights(weights_file), config_file, weights_file, target)
+    return head.to(device), meta
+
+
+def build_head(
+    raw: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    config_file: Path,
+    weights_file: Path,
+    target: SharedTarget | None = None,
+) -> tuple[DraftHead | Eagle3Head, dict[str, Any]]:
+    """(head, meta) of a checkpoint's config.json content `raw` (its `eagle_train` block: meta) and tensors
+    `state`, read from `config_file` and `weights_file` (named in errors): every tensor checked finite and
+    matching, none missing or unexpected."""
+    raw = dict(raw)
     model = head_model(raw)
     meta = raw.pop("eagle_train", {})
     dropped = ("architectures", "model_type", *HEAD_FIELDS)
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in dropped})
     head = model.from_checkpoint(config, raw, meta, config_file, target=target)
-    state = read_head_weights(weights_file)
     check_finite(state, weights_file)
     head.check_checkpoint_state(state, weights_file)
     try:
@@ -162,4 +176,4 @@ def load_head(
         raise InputError(
             f"draft checkpoint {weights_file}: missing keys {missing}, unexpected keys {unexpected}"
         )
-    return head.to(device), meta
+    return head, meta

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 
-from tests.conftest import DATA
+from tests.conftest import DATA, untrained_dflash_head
 
 
 @functools.lru_cache(maxsize=100_000)
@@ -241,12 +241,4 @@ def trained_dflash_head(target):
 def random_dflash_head(target):
     """An untrained two-layer DFlash head (fixed seed), blocks of 6, reading target layers 1 and 2, its
     norms away from 1 (so a wrongly applied norm shows)."""
-    from eagle_train.modeling.dflash import DFlashHead
-
-    torch.manual_seed(4)
-    head = DFlashHead.from_target(target.config, [1, 2], 6, 0, target=target, num_layers=2)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return head.eval()
+    return untrained_dflash_head(target, 6, seed=4)

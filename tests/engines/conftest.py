@@ -115,11 +115,16 @@ def trained_ckpt(engine_python) -> Path:
     return train_once("head", TRAIN_STEPS, [])
 
 
-@pytest.fixture(scope="session")
-def trained_head(trained_ckpt, target):
-    head, _ = load_head(trained_ckpt)
+def loaded_head(ckpt: Path, target):
+    """The head of checkpoint `ckpt` holding `target`'s frozen weights, in eval mode."""
+    head, _ = load_head(ckpt)
     head.share_target_weights(target)
     return head.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_head(trained_ckpt, target):
+    return loaded_head(trained_ckpt, target)
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,8 @@ from safetensors.torch import load_file, save_file
 from eagle_train.config.export import ExportConfig
 from eagle_train.engines.vllm_engine import agreement_problems, check_agreement, speculative_config
 from eagle_train.export import run as export
-from eagle_train.modeling.head_checkpoint import load_head
 from eagle_train.report.results import spec_counts
-from tests.engines.conftest import HEAD_DIM, fresh_dir, read_json, run_in_vllm, train_once
+from tests.engines.conftest import HEAD_DIM, fresh_dir, loaded_head, read_json, run_in_vllm, train_once
 from tests.engines.test_vllm import KS, builtin_chain, record_figures
 
 pytestmark = pytest.mark.engine
@@ -35,9 +34,7 @@ def eagle3_ckpt(engine_python):
 
 @pytest.fixture(scope="session")
 def eagle3_head(eagle3_ckpt, target):
-    head, _ = load_head(eagle3_ckpt)
-    head.share_target_weights(target)
-    return head.eval()
+    return loaded_head(eagle3_ckpt, target)
 
 
 @pytest.fixture(scope="session")

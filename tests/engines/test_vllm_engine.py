@@ -193,6 +193,22 @@ def test_an_eagle3_head_is_given_to_vllm_as_eagle3(tmp_path):
     assert speculative_config(tmp_path / "eagle1", 2)["method"] == "eagle"
 
 
+def test_a_dflash_head_is_given_to_vllm_as_dflash_with_at_most_its_mask_slots(tmp_path):
+    """`dflash_config` (vLLM's layout) or the speculators type dflash: method dflash, K cut to B - 1."""
+    import json
+
+    for name, config in (
+        ("vllm", {"architectures": ["DFlashDraftModel"], "dflash_config": {}, "block_size": 8}),
+        ("speculators", {"speculators_model_type": "dflash", "block_size": 8}),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        for k, drafted in ((3, 3), (7, 7), (12, 7)):
+            spec = speculative_config(tmp_path / name, k)
+            assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == drafted, (name, k)
+            assert "parallel_drafting" not in spec  # vLLM's dflash method drafts in parallel itself
+
+
 def test_engine_section_side_by_side_and_flags(tmp_path):
     records = []
     for i, b in enumerate(BUILTIN):

@@ -17,7 +17,7 @@ from eagle_train.config.decode import DecodeConfig
 from eagle_train.decoding.decoder import SpeculativeDecoder
 from eagle_train.interop.reexpress import main, rotary_slots, widen_head, widen_model_dir
 from eagle_train.modeling.target import load_target
-from tests.conftest import STORIES260K, error_line
+from tests.conftest import STORIES260K, error_line, untrained_dflash_head
 from tests.interop.test_layouts import head_outputs, make_head
 
 PROMPTS = [[1, 403, 407, 261, 378, 432, 383, 286, 261, 280, 294, 426], [1, 365, 300, 280, 423, 268]]
@@ -83,6 +83,24 @@ def test_head_outputs_equal_and_decoding_identical(target, wide_target):
     wide = widen_head(head, 32)
     assert wide.config.head_dim == 32 and wide.layers[0].self_attn.q_proj.weight.shape == (256, 64)
     torch.testing.assert_close(head_outputs(wide), head_outputs(head), rtol=0, atol=ATOL)
+    cfg = DecodeConfig(method="chain", chain_length=3, max_new_tokens=24)
+    narrow = SpeculativeDecoder(target, head, cfg).generate(PROMPTS[1])
+    widened = SpeculativeDecoder(wide_target, wide, cfg).generate(PROMPTS[1])
+    assert widened.tokens == narrow.tokens
+    assert widened.stats.accepted_per_round == narrow.stats.accepted_per_round
+
+
+def test_a_dflash_head_with_per_head_norms_decodes_identically(target, wide_target):
+    """q_norm / k_norm (Qwen3-style) normalise over head_dim: k_proj is scaled like q_proj and k_norm's
+    weight undoes it, so a DFlash head's blocks and chains are the same at head_dim 32."""
+    head = untrained_dflash_head(target, 4, seed=3)
+    wide = widen_head(head, 32).eval()
+    assert wide.layers[0].self_attn.k_norm.weight.shape == (32,)
+    features, ids = torch.randn(1, 6, 2 * 64), torch.tensor([[5, 0, 0, 0]])
+    context, block = torch.arange(6).unsqueeze(0), torch.arange(6, 10).unsqueeze(0)
+    with torch.no_grad():
+        outputs = [h(ids, features, block, context) for h in (head, wide)]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=ATOL)
     cfg = DecodeConfig(method="chain", chain_length=3, max_new_tokens=24)
     narrow = SpeculativeDecoder(target, head, cfg).generate(PROMPTS[1])
     widened = SpeculativeDecoder(wide_target, wide, cfg).generate(PROMPTS[1])

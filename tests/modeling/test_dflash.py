@@ -1,6 +1,7 @@
 """The DFlash head (eagle_train.modeling.dflash) on the real stories260K target: all blocks in one forward
 under the block mask equal each block run alone after its own context; its checkpoint holds vLLM's names
-and its mask token and loads back identical; load_draft (the evaluate stage's) loads it, export refuses it."""
+and its mask token and loads back identical; load_draft (the evaluate stage's) loads it and the file z-lab
+and vLLM use (the export's round trips: tests/test_export.py)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,17 @@ import torch
 from eagle_train.config.decode import DecodeConfig
 from eagle_train.config.target import dflash_aux_layers, dflash_layer_ids, resolve_dflash_layers
 from eagle_train.decoding.decoder import SpeculativeDecoder
-from eagle_train.interop.layouts import export_head, load_draft
+from eagle_train.interop.layouts import load_draft
 from eagle_train.modeling.dflash import DFlashHead
 from eagle_train.modeling.head_checkpoint import head_model, load_head, save_head
 from eagle_train.runtime.errors import InputError
 from eagle_train.training.dflash import Blocks, block_attention_mask, block_positions
-
-NOT_BUILT = r"export: a dflash head \(draft.type=dflash\): export of DFlash heads .* is not built yet"
+from tests.conftest import untrained_dflash_head
 
 
 @pytest.fixture(scope="module")
 def head(target):
-    torch.manual_seed(0)
-    head = DFlashHead.from_target(target.config, [1, 2], 4, 0, target=target, num_layers=2).eval()
-    with torch.no_grad():  # norms away from 1, so that a wrong norm shows
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return head
+    return untrained_dflash_head(target, 4, seed=0)
 
 
 def test_the_published_target_layer_rule():
@@ -94,15 +88,20 @@ def test_a_saved_head_has_vllms_names_and_its_mask_token_and_loads_back_identica
         load_head(tmp_path / "h")
 
 
-def test_export_refuses_a_dflash_head_and_load_draft_loads_it(head, target, tmp_path):
+def test_load_draft_loads_the_checkpoint_and_a_z_lab_style_file(head, target, tmp_path):
     """The evaluate stage loads its head with load_draft (decoding: tests/decoding/test_dflash_decoding.py);
-    the export to vLLM's layout is not built."""
+    a z-lab-style directory (Qwen3 config.json with `DFlashDraftModel`, `dflash_config`, `block_size`,
+    no `eagle_train` block, no checksum) loads the same head."""
     save_head(head, tmp_path / "h", {"target": "stories260k"})
     loaded = load_draft(tmp_path / "h", target)
     assert type(loaded) is DFlashHead and not loaded.training and loaded.block_size == 4
     for name, tensor in head.trainable_state_dict().items():
         assert torch.equal(loaded.trainable_state_dict()[name], tensor), name
     assert SpeculativeDecoder(target, loaded, DecodeConfig(method="chain")).generate([1, 5]).tokens
-    with pytest.raises(InputError, match=NOT_BUILT):
-        export_head(head, "vllm", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    raw = json.loads((tmp_path / "h" / "config.json").read_text())
+    del raw["eagle_train"]
+    (tmp_path / "h" / "config.json").write_text(json.dumps({**raw, "model_type": "qwen3", "auto_map": {}}))
+    z_lab = load_draft(tmp_path / "h", target)
+    assert z_lab.target_layer_ids == [1, 2] and z_lab.mask_token_id == 0
+    for name, tensor in head.trainable_state_dict().items():
+        assert torch.equal(z_lab.trainable_state_dict()[name], tensor), name
