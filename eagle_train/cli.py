@@ -32,7 +32,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle_train.config.base import CONF_DIR, config_message, renamed_overrides, to_schema
+from eagle_train.config.base import CONF_DIR, config_message, to_schema
 from eagle_train.config.evaluate import EvaluateConfig
 from eagle_train.config.export import ExportConfig
 from eagle_train.config.extract import ExtractConfig
@@ -65,9 +65,8 @@ register_schemas()
 
 
 def stage_main(stage: str, run: Callable[[Any], Any]) -> Callable[[], None]:
-    """The `main()` of a stage module: parse the command line with Hydra (renamed keys under their new
-    names, eagle_train.config.base.RENAMED_KEYS), call `run(typed_config)`; a user error ends it in one
-    line (eagle_train.runtime.errors.user_errors)."""
+    """The `main()` of a stage module: parse the command line with Hydra, call `run(typed_config)`; a user
+    error ends it in one line (eagle_train.runtime.errors.user_errors)."""
 
     @hydra.main(config_path=str(CONF_DIR), config_name=stage, version_base="1.3")
     def hydra_main(cfg: DictConfig) -> None:
@@ -75,7 +74,6 @@ def stage_main(stage: str, run: Callable[[Any], Any]) -> Callable[[], None]:
             run(to_schema(cfg, SCHEMAS[stage]))
 
     def main() -> None:
-        sys.argv[1:] = renamed_overrides(stage, sys.argv[1:])
         with user_errors():
             check_command_line(stage, sys.argv[1:])
         hydra_main()
@@ -107,7 +105,7 @@ def composition_message(err: BaseException) -> str:
 def compose(stage: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The DictConfig a stage would see for these command-line overrides (tests, scripts)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=stage, overrides=renamed_overrides(stage, overrides))
+        return hydra_compose(config_name=stage, overrides=list(overrides))
 
 
 def on_main(accelerator, fn: Callable[[], Any]) -> Any:

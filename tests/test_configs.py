@@ -13,7 +13,7 @@ from eagle_train.config.base import CONF_DIR, to_schema
 
 # Values a user must give on the command line (no sensible default).
 REQUIRED = {
-    "export": ["ckpt=runs/x/final", "out=exports/x"],
+    "export": ["ckpt=runs/x/final", "out_dir=exports/x"],
     "train": ["features=runs/x/features"],
     "evaluate": ["draft.path=runs/x/final"],
 }
@@ -76,27 +76,17 @@ def test_static_trees_load(tree):
     assert paths, f"conf/tree/{tree}.yaml is empty"
 
 
-@pytest.mark.parametrize(
-    "stage, old, given, schema_kwargs",
-    [
-        ("export", "out", ["ckpt=runs/x/final"], {"ckpt": "runs/x/final"}),
-        ("pipeline", "run_dir", [], {"stages": {}}),
-    ],
-)
-def test_a_renamed_key_still_works_and_names_its_new_name(stage, old, given, schema_kwargs, tmp_path):
-    """Every stage writes a directory under out_dir=: export's out= and the pipeline's run_dir= still work
-    (command line and Python), with a warning that names out_dir."""
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use out_dir"):
-        cfg = to_schema(compose(stage, [*given, f"{old}={tmp_path}"]), SCHEMAS[stage])
-    assert cfg.out_dir == str(tmp_path) and getattr(cfg, old) is None
-    if stage == "pipeline":  # the preset's stages write under it
-        assert cfg.report == f"{tmp_path}/eval/report.md"
-        assert f"out_dir={tmp_path}/features" in cfg.stages["extract"].args
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use out_dir"):
-        made = SCHEMAS[stage](**schema_kwargs, **{old: str(tmp_path)})
-    assert made.out_dir == str(tmp_path)
-    new = to_schema(compose(stage, [*given, f"out_dir={tmp_path}"]), SCHEMAS[stage])
-    assert new.out_dir == str(tmp_path)
+def test_out_dir_is_where_export_and_the_pipeline_write(tmp_path):
+    """Every stage that writes a directory takes out_dir= (an old name, e.g. export's out= or the
+    pipeline's run_dir=, is an unknown key); the pipeline's stages and report write under it."""
+    export = to_schema(compose("export", ["ckpt=runs/x/final", f"out_dir={tmp_path}"]), SCHEMAS["export"])
+    assert export.out_dir == str(tmp_path)
+    pipeline = to_schema(compose("pipeline", [f"out_dir={tmp_path}"]), SCHEMAS["pipeline"])
+    assert pipeline.report == f"{tmp_path}/eval/report.md"
+    assert f"out_dir={tmp_path}/features" in pipeline.stages["extract"].args
+    for stage, old in (("export", "out"), ("pipeline", "run_dir")):
+        with pytest.raises(Exception, match=f"Could not override '{old}'|Key '{old}' is not in struct"):
+            compose(stage, [f"{old}={tmp_path}"])
 
 
 def test_the_eagle3_demo_is_the_demo_with_its_own_settings():

@@ -279,7 +279,7 @@ def test_commands_compose(page):
     "line, message",
     [
         ("python -m eagle_train.train features=DIR optim.lrr=1e-2", "optim.lrr"),
-        ("python -m eagle_train.export ckpt=DIR format=onnx out=DIR", "format must be one of"),
+        ("python -m eagle_train.export ckpt=DIR format=onnx out_dir=DIR", "format must be one of"),
         ("accelerate launch --config_file conf/accelerate/nope.yaml train.py features=DIR", "nope.yaml"),
         ("accelerate launch --num_procs 2 train.py features=DIR", "SystemExit"),
         ("python -m eagle_train.data.mix out=FILE --src A", "refused"),

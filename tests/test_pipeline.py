@@ -45,7 +45,7 @@ def stage_config_name(spec: StageSpec) -> str | None:
 
 @pytest.mark.parametrize("preset, extra, name", PRESETS, ids=lambda v: str(v))
 def test_preset_stages_accept_their_overrides(preset, extra, name, tmp_path):
-    cfg = compose_pipeline([f"experiment={preset}", f"run_dir={tmp_path}", *extra])
+    cfg = compose_pipeline([f"experiment={preset}", f"out_dir={tmp_path}", *extra])
     assert cfg.name == name and {"extract", "train", "evaluate"} <= set(cfg.stages)
     assert cfg.report.startswith(str(tmp_path))
     for name, spec in cfg.stages.items():
@@ -84,7 +84,7 @@ def prepare_only(tmp_path, limit: int, **kw) -> PipelineConfig:
         module="eagle_train.data.tinystories", args=[f"out={out}", f"limit={limit}"], outputs=[str(out)]
     )
     return PipelineConfig(
-        name="t", run_dir=str(tmp_path), stages={"prepare": spec}, report=str(tmp_path / "none.md"), **kw
+        name="t", out_dir=str(tmp_path), stages={"prepare": spec}, report=str(tmp_path / "none.md"), **kw
     )
 
 
@@ -120,7 +120,7 @@ def two_stages(tmp_path, **kw) -> PipelineConfig:
         for name, file, limit in (("prepare", "a.jsonl", 4), ("regenerate", "b.jsonl", 3))
     }
     return PipelineConfig(
-        name="t", run_dir=str(tmp_path), stages=specs, report=str(tmp_path / "none.md"), **kw
+        name="t", out_dir=str(tmp_path), stages=specs, report=str(tmp_path / "none.md"), **kw
     )
 
 
@@ -153,7 +153,7 @@ def test_config_errors():
 
 
 def test_stage_command_uses_this_interpreter(tmp_path):
-    cfg = compose_pipeline([f"run_dir={tmp_path}", '+overrides.evaluate=["num_questions=1"]', "dry_run=true"])
+    cfg = compose_pipeline([f"out_dir={tmp_path}", '+overrides.evaluate=["num_questions=1"]', "dry_run=true"])
     records = run(cfg)
     evaluate = next(r for r in records if r["stage"] == "evaluate")
     assert evaluate["argv"][:3] == [sys.executable, "-m", "eagle_train.evaluate"]
@@ -162,7 +162,7 @@ def test_stage_command_uses_this_interpreter(tmp_path):
 
 
 def test_a_stage_with_several_processes_runs_under_accelerate_launch(tmp_path):
-    cfg = compose_pipeline([f"run_dir={tmp_path}", "vars.processes=2", "dry_run=true"])
+    cfg = compose_pipeline([f"out_dir={tmp_path}", "vars.processes=2", "dry_run=true"])
     argv = {r["stage"]: r["argv"] for r in run(cfg)}
     accelerate = str(Path(sys.executable).parent / "accelerate")
     launched = [
@@ -179,7 +179,7 @@ def test_a_stage_with_several_processes_runs_under_accelerate_launch(tmp_path):
     # -q changes what the launcher prints, not what the stage computes: a finished stage stays finished
     assert command_hash(launched) == command_hash([a for a in launched if a != "-q"])
     assert argv["extract"][:3] == [sys.executable, "-m", "eagle_train.extract"]
-    cfg = compose_pipeline([f"run_dir={tmp_path}", "vars.processes=1", "dry_run=true"])
+    cfg = compose_pipeline([f"out_dir={tmp_path}", "vars.processes=1", "dry_run=true"])
     assert next(r["argv"] for r in run(cfg) if r["stage"] == "regenerate")[:3] == [
         sys.executable,
         "-m",

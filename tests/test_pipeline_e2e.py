@@ -38,7 +38,7 @@ def test_reduced_demo(tmp_path, capsys, experiment):
     cfg = to_schema(
         compose(
             "pipeline",
-            overrides=[f"experiment={experiment}", f"run_dir={tmp_path}", "vars.sharegpt_prompts=24"],
+            overrides=[f"experiment={experiment}", f"out_dir={tmp_path}", "vars.sharegpt_prompts=24"],
         ),
         PipelineConfig,
     )

@@ -62,15 +62,6 @@ def test_shipped_configs_compose(tmp_path):
         TrainConfig()
 
 
-def test_old_loss_weight_names_are_accepted_with_a_deprecation_message():
-    with pytest.warns(DeprecationWarning, match="loss.w_p is deprecated: use loss.token_weight"):
-        cfg = to_schema(compose("train", ["features=x", "loss.w_v=2.0", "loss.w_p=0.5"]), TrainConfig)
-    assert (cfg.loss.feature_weight, cfg.loss.token_weight) == (2.0, 0.5)
-    assert cfg.loss.w_v is None and cfg.loss.w_p is None  # one value, under its new name
-    new = to_schema(compose("train", ["features=x", "loss.token_weight=0.5"]), TrainConfig)
-    assert new.loss.token_weight == 0.5 and new.loss.feature_weight == 1.0
-
-
 def test_schema_keys_need_no_plus_on_the_command_line():
     """Every schema key exists in the composed config (the README's target.* overrides work as written)."""
     cfg = to_schema(
@@ -516,32 +507,18 @@ def test_online_resume_refuses_a_decoder_only_fine_tune(tiny_conversations, tmp_
         run(make_cfg(None, tmp_path / "run", *args, f"target.path={model}"))
 
 
-def test_a_store_from_before_weight_files_were_recorded_trains_with_a_warning(tiny_store, tmp_path, caplog):
-    """A store extracted by an earlier eagle-train (no target.weight_files) is still read, its
-    config, embedding and LM head checked, with a warning that its decoder layers cannot be; a rerun of
-    its extraction is refused (its shards cannot be told to come from this target) unless overwrite."""
-    from eagle_train.config.data import DataConfig
-    from eagle_train.config.extract import ExtractConfig
-    from eagle_train.extract import run as extract
-
+def test_a_store_without_the_targets_weight_files_is_refused_naming_them(tiny_store, tmp_path):
+    """A store whose manifest records no target.weight_files (the sha256 of each of the target's weight
+    files, which tell a fine-tune of any layer apart) is refused, naming the missing field."""
     store = copy_store(tiny_store, tmp_path / "store")
     for name in ("manifest.json", "store_config.json"):
         recorded = json.loads((store / name).read_text())
         del recorded["target"]["weight_files"]
         (store / name).write_text(json.dumps(recorded))
-    run(make_cfg(store, tmp_path / "run", "max_steps=1", "save_every=0", "eval_every=0"))
-    assert "records no target.weight_files (extracted by an earlier eagle-train)" in caplog.text
-    manifest = json.loads((store / "manifest.json").read_text())
-    data = DataConfig(name="tinystories", path=manifest["data"]["path"])
-    cfg = ExtractConfig(
-        target=make_cfg(store, tmp_path).target,
-        data=data,
-        out_dir=str(store),
-        dtype="float32",
-        progress=False,
-    )
-    with pytest.raises(StoreMismatchError, match=r"weight_files.*extracted by an earlier eagle-train"):
-        extract(cfg)
+    with pytest.raises(
+        StoreMismatchError, match=r"target\.weight_files\.model\.safetensors: .*found '<missing>'"
+    ):
+        run(make_cfg(store, tmp_path / "run", "max_steps=1", "save_every=0", "eval_every=0"))
 
 
 def test_bad_cadence_settings_fail_when_the_config_is_made(tmp_path):

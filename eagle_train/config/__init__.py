@@ -27,8 +27,7 @@ Outputs: `out_dir=DIR` where a stage writes a directory (extract, train, evaluat
 `python -m eagle_train.data.tinystories`). A stage run alone writes under outputs/ by default
 (outputs/features/TARGET/DATA, outputs/train/TARGET, outputs/eval/TARGET,
 outputs/regenerated/TARGET_DATA.jsonl; export has no default); an experiment writes all its stages
-under runs/NAME/ (data/, features/, train/, eval/). Renamed keys keep working with a warning that names
-the new one (`config.base.RENAMED_KEYS`: export's out= and the pipeline's run_dir= are out_dir=).
+under runs/NAME/ (data/, features/, train/, eval/).
 
 A field whose default is null means "chosen for you" (decode.chain_length / depth / top_k /
 total_tokens under decode.shape=auto, num_threads, data.max_len): a value given on the command line is

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import warnings
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +21,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from eagle_train.runtime.errors import ConfigError
 
-log = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -140,45 +136,3 @@ def flag_argv(argv: list[str]) -> list[str]:
     """`key=value` arguments (Hydra-like) as argparse's `--key=value`, for the small argparse commands
     (`eagle_train.data.tinystories`, `eagle_train.data.mix`); `--key value` passes unchanged."""
     return [f"--{a}" if "=" in a and not a.startswith("-") else a for a in argv]
-
-
-# Keys renamed so that every stage says the same thing the same way (out_dir=DIR for a directory, out=FILE
-# for one file): stage -> {old key: new key}. The old key still works, with a warning naming the new one:
-# on the command line it is rewritten (`renamed_overrides`), in a schema it is an alias (`take_renamed`).
-RENAMED_KEYS: dict[str, dict[str, str]] = {
-    "export": {"out": "out_dir"},
-    "pipeline": {"run_dir": "out_dir"},
-}
-
-
-def _warn_renamed(old: str, new: str, value: Any) -> None:
-    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=4)
-    log.warning("%s is deprecated, use %s (taking %s=%s)", old, new, new, value)
-
-
-def renamed_overrides(stage: str, overrides: Sequence[str]) -> list[str]:
-    """Command-line overrides with each renamed key of `stage` (`run_dir=X`, `+run_dir=X`) under its new
-    name, so that interpolations of the new key see the value."""
-    renamed = RENAMED_KEYS.get(stage, {})
-    out = []
-    for arg in overrides:
-        key, eq, value = arg.partition("=")
-        plain = key.lstrip("+~")
-        if eq and plain in renamed:
-            _warn_renamed(plain, renamed[plain], value)
-            arg = f"{key[: len(key) - len(plain)]}{renamed[plain]}={value}"
-        out.append(arg)
-    return out
-
-
-def take_renamed(
-    cfg: Any, renamed: dict[str, str], prefix: str = "", cast: Callable[[Any], Any] | None = None
-) -> None:
-    """In a schema's `__post_init__`: a value given under an old key (an alias field whose default is
-    None) moves to its new key, with a warning naming it (`prefix`: the schema's place, e.g. "loss.")."""
-    for old, new in renamed.items():
-        value = getattr(cfg, old)
-        if value is not None:
-            _warn_renamed(f"{prefix}{old}", f"{prefix}{new}", value)
-            setattr(cfg, new, value if cast is None else cast(value))
-            setattr(cfg, old, None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle_train.config.base import RENAMED_KEYS, take_renamed
 from eagle_train.config.target import FLOAT_DTYPES
 
 EXPORT_FORMATS = ("vllm", "sglang", "eagle", "speculators")
@@ -23,7 +22,6 @@ class ExportConfig:
     # output directory, written atomically; an existing non-empty one must be an earlier export of this
     # format (replaced whole) unless overwrite is set
     out_dir: str = ""
-    out: str | None = None  # renamed out_dir (still read, with a warning)
     # write into a non-empty directory that is not an earlier export of this format: this layout's files
     # are replaced, nothing else is deleted
     overwrite: bool = False
@@ -43,7 +41,6 @@ class ExportConfig:
     speculative_tokens: int = 3  # format=speculators: K, the draft tokens vLLM proposes per step
 
     def __post_init__(self) -> None:
-        take_renamed(self, RENAMED_KEYS["export"])
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {self.format!r}")
         if self.fc_bias not in FC_BIAS_POLICIES:

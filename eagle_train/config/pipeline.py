@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_train.config.base import RENAMED_KEYS, take_renamed
-
 STAGE_ORDER = ("prepare", "mix", "regenerate", "extract", "train", "evaluate")
 
 
@@ -42,7 +40,6 @@ class PipelineConfig:
 
     name: str = "experiment"  # the preset's name (printed, stored in the run directory)
     out_dir: str = "runs/${name}"  # the run directory: every stage writes under it
-    run_dir: str | None = None  # renamed out_dir (still read, with a warning)
     vars: dict[str, Any] = field(
         default_factory=dict
     )  # the preset's own settings, used as ${vars.NAME} in args
@@ -53,7 +50,6 @@ class PipelineConfig:
     dry_run: bool = False  # print the commands without running them
 
     def __post_init__(self) -> None:
-        take_renamed(self, RENAMED_KEYS["pipeline"])
         unknown = sorted(set(self.stages) - set(STAGE_ORDER))
         if unknown:
             raise ValueError(f"unknown pipeline stages {unknown}; known: {list(STAGE_ORDER)}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle_train.config.base import take_renamed
 from eagle_train.config.data import DataConfig
 from eagle_train.config.draft import EAGLE3_FAMILY, DraftConfig
 from eagle_train.config.target import TargetConfig, check_eagle3_aux_layers
@@ -133,11 +132,8 @@ class LossConfig:
     # dflash: slot k's loss weight exp(-(k - 1) / gamma); null = the published value for the block size
     # (16: 7, 10: 5, 8: 4), else block_size / 2 (training/dflash.default_gamma)
     dflash_gamma: float | None = None
-    w_v: float | None = None  # deprecated alias of feature_weight
-    w_p: float | None = None  # deprecated alias of token_weight
 
     def __post_init__(self) -> None:
-        take_renamed(self, {"w_v": "feature_weight", "w_p": "token_weight"}, "loss.", float)
         if self.noise is not None and self.noise not in NOISE_MODES:
             raise ValueError(f"loss.noise must be one of {NOISE_MODES}, got {self.noise!r}")
         if self.divergence not in DIVERGENCES:

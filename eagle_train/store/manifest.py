@@ -114,23 +114,6 @@ def expected_target(target, hf_config) -> dict[str, Any]:
     }
 
 
-def legacy_expected(manifest: dict[str, Any], expected: dict[str, Any], path: Path) -> dict[str, Any]:
-    """`expected` as a store extracted before `target.weight_files` was recorded can meet it: without
-    those fields, and a warning that a change of the target's decoder layers cannot be told for it."""
-    target = manifest.get("target")
-    if not any(k.startswith(WEIGHT_FILES) for k in expected) or (
-        isinstance(target, dict) and "weight_files" in target
-    ):
-        return expected
-    log.warning(
-        "feature store %s records no target.weight_files (extracted by an earlier eagle-train): only its "
-        "target's config, embedding and LM head are checked, not its decoder layers; extract it again "
-        "(overwrite=true) to record them",
-        path,
-    )
-    return {k: v for k, v in expected.items() if not k.startswith(WEIGHT_FILES)}
-
-
 def content_key(identity: dict[str, Any]) -> dict[str, Any]:
     """The identity fields that decide the contents: everything but display names and the data path
     (the data is identified by its sha256)."""
@@ -205,8 +188,7 @@ def manifest_storage(manifest: dict[str, Any], where: Path) -> Storage:
 
 def check_compatible(manifest: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
     """StoreMismatchError naming every dotted manifest field (e.g. "target.hidden_size") whose value
-    differs from `expected` (an older store without target.weight_files: `legacy_expected`)."""
-    expected = legacy_expected(manifest, expected, path)
+    differs from `expected` (a field the store lacks is found "<missing>")."""
     found = flatten(manifest)
     diffs = [
         f"{key}: expected {value!r}, found {found.get(key, '<missing>')!r}"

@@ -124,16 +124,9 @@ def prepare_out_dir(out_dir: str | Path, identity: dict[str, Any], overwrite: bo
             f"shards of another store (store hash {others[0] if others else ''}) and no readable metadata"
         )
     if diffs and not overwrite:
-        earlier = existing is not None and "weight_files" not in (existing.get("target") or {})
         raise StoreMismatchError(
             f"{out_dir} holds a feature store made with {refusal}. Pass overwrite=true to replace it, "
             "or choose another out_dir."
-            + (
-                " (It was extracted by an earlier eagle-train, which did not record the sha256 of its "
-                "target's weight files: its shards cannot be told to come from this target.)"
-                if earlier
-                else ""
-            )
         )
     if diffs:
         remove_store_files(out_dir)

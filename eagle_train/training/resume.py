@@ -237,7 +237,6 @@ def resume(accelerator, out_dir: Path, identity: dict[str, Any]) -> dict[str, An
         if damaged or (out_dir / "final").exists():
             raise CheckpointError(f"{out_dir} holds a run but no checkpoint that verifies: {start_over}")
         return None
-    identity = comparable_identity(accelerator, checkpoint, record.get("run", {}), identity)
     diffs = mismatches(record.get("run", {}), identity, labels=("checkpoint", "this run"))
     if diffs:
         raise CheckpointError(
@@ -254,22 +253,6 @@ def resume(accelerator, out_dir: Path, identity: dict[str, Any]) -> dict[str, An
         + (f" (the {len(damaged)} newer ones are damaged)" if damaged else "")
     )
     return record["trainer"]
-
-
-def comparable_identity(
-    accelerator, checkpoint: Path, recorded: dict[str, Any], identity: dict[str, Any]
-) -> dict[str, Any]:
-    """This run's identity as a checkpoint written before `target.weight_files` was recorded can be
-    compared with: without it, and a warning that a change of the target's decoder layers cannot be
-    told (its config, embedding and LM head still are)."""
-    target = recorded.get("target")
-    if not isinstance(target, dict) or "weight_files" in target or "target" not in identity:
-        return identity
-    accelerator.print(
-        f"WARNING: {checkpoint} records no target.weight_files (written by an earlier eagle-train): "
-        "resuming without checking that the target's decoder layers are the same"
-    )
-    return {**identity, "target": {k: v for k, v in identity["target"].items() if k != "weight_files"}}
 
 
 def load_state(accelerator, checkpoint: Path) -> None:

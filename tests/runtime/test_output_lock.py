@@ -114,7 +114,7 @@ def test_every_writing_stage_refuses_a_held_output(
         "regenerate": lambda out: regenerate(RegenerateConfig(target=target_cfg, data=data, out=str(out), progress=False)),
         "evaluate": lambda out: evaluate(EvaluateConfig(target=target_cfg, draft=DraftConfig(path=str(head)), out_dir=str(out), progress=False)),
         "export": lambda out: export(ExportConfig(ckpt=str(head), out_dir=str(out))),
-        "pipeline": lambda out: pipeline(PipelineConfig(run_dir=str(out), stages={"prepare": StageSpec(module="x", outputs=["y"])})),
+        "pipeline": lambda out: pipeline(PipelineConfig(out_dir=str(out), stages={"prepare": StageSpec(module="x", outputs=["y"])})),
     }  # fmt: skip
     for name, run in stages.items():
         out = tmp_path / name

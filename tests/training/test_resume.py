@@ -291,11 +291,9 @@ def test_a_training_checkpoints_head_changed_since_it_was_saved_is_not_exported(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_checkpoint_from_before_weight_files_were_recorded_resumes_with_a_warning(
-    tiny_store, stopped, whole, tmp_path, capsys
-):
-    """A checkpoint whose run identity has no target.weight_files (an earlier eagle-train)
-    still resumes, to the very weights of the uninterrupted run, saying what it cannot check."""
+def test_a_checkpoint_without_the_targets_weight_files_is_refused_naming_them(tiny_store, stopped, tmp_path):
+    """A checkpoint whose run identity records no target.weight_files cannot be told to come from this
+    target's decoder layers: resuming it is refused, naming the field."""
     out = shutil.copytree(stopped, tmp_path / "run")
     step = out / "checkpoints" / "step_0000004"
     trainer = step / "training_state" / "trainer.json"
@@ -303,7 +301,5 @@ def test_a_checkpoint_from_before_weight_files_were_recorded_resumes_with_a_warn
     del record["run"]["target"]["weight_files"]
     trainer.write_text(json.dumps(record))
     reseal(step)
-    run(make_cfg(tiny_store, out, *ARGS))
-    printed = capsys.readouterr().out
-    assert "records no target.weight_files" in printed and "resumed from" in printed
-    assert same_weights(out, whole)
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot resume: .*target\.weight_files"):
+        run(make_cfg(tiny_store, out, *ARGS))
