@@ -168,7 +168,7 @@ def test_the_cache_survives_a_deleted_package_directory(smollm2_dir, tmp_path):
 
 
 REPLIES = 48  # tokens per answer in the identity test
-STEPS = 60  # fitting steps per prompt of the identity test's head
+STEPS = 150  # fitting steps per prompt of the identity test's head
 
 
 def chat_prompt(target, text: str) -> list[int]:
