@@ -51,7 +51,7 @@ def test_shipped_config_composes():
     [("vllm", "model.safetensors"), ("sglang", "model.safetensors"), ("eagle", "pytorch_model.bin")],
 )
 def test_run_writes_each_layout(ckpt, tmp_path, fmt, weights):
-    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}"))
+    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out_dir={tmp_path / fmt}"))
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", weights])
     text = (out / "config.json").read_text()
     config = json.loads(text)
@@ -65,7 +65,9 @@ def test_a_hub_target_id_is_kept(tmp_path, target):
     head = DraftHead.from_target(target.config)
     meta = {"target": {"name": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}, "max_len": 9}
     out = run(
-        export_cfg(f"ckpt={save_head(head, tmp_path / 'c', meta)}", "format=sglang", f"out={tmp_path / 'o'}")
+        export_cfg(
+            f"ckpt={save_head(head, tmp_path / 'c', meta)}", "format=sglang", f"out_dir={tmp_path / 'o'}"
+        )
     )
     assert (
         json.loads((out / "config.json").read_text())["eagle_train"]["target_source"]
@@ -74,40 +76,41 @@ def test_a_hub_target_id_is_kept(tmp_path, target):
 
 
 def test_a_directory_export_did_not_write_is_refused_with_nothing_deleted(ckpt, tmp_path, monkeypatch):
-    """out=DIR holding other files, or out=. in such a directory, is refused and left as it was;
+    """out_dir=DIR holding other files, or out=. in such a directory, is refused and left as it was;
     overwrite=true writes this layout's files there and deletes nothing else."""
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("keep me")
     (mine / "sub" / "data.bin").write_bytes(b"\x00" * 10)
     with pytest.raises(OutputError, match=r"not an earlier format=vllm export \(it holds notes.txt, sub\)"):
-        run(export_cfg(f"ckpt={ckpt}", f"out={mine}"))
+        run(export_cfg(f"ckpt={ckpt}", f"out_dir={mine}"))
     monkeypatch.chdir(mine)
     with pytest.raises(OutputError, match="overwrite=true, which writes config.json and model.safetensors"):
-        run(export_cfg(f"ckpt={ckpt}", "out=."))
+        run(export_cfg(f"ckpt={ckpt}", "out_dir=."))
     assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").stat().st_size == 10
-    run(export_cfg(f"ckpt={ckpt}", "out=.", "overwrite=true"))
+    run(export_cfg(f"ckpt={ckpt}", "out_dir=.", "overwrite=true"))
     assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub"]
     assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "data.bin").exists()
     with pytest.raises(OutputError, match="exists and is not a directory"):
-        run(export_cfg(f"ckpt={ckpt}", f"out={mine / 'notes.txt'}"))
+        run(export_cfg(f"ckpt={ckpt}", f"out_dir={mine / 'notes.txt'}"))
 
 
 def test_an_earlier_export_is_replaced_and_another_layout_needs_overwrite(ckpt, tmp_path):
     out = tmp_path / "export"
-    run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={out}"))
-    run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out={out}", "dtype=bfloat16"))  # same layout: replaced
+    run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out_dir={out}"))
+    # the same layout is replaced
+    run(export_cfg(f"ckpt={ckpt}", "format=sglang", f"out_dir={out}", "dtype=bfloat16"))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     with pytest.raises(OutputError, match="not an earlier format=eagle export"):
-        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={out}"))
-    run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={out}", "overwrite=true"))
+        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out_dir={out}"))
+    run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out_dir={out}", "overwrite=true"))
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "pytorch_model.bin",
     ]  # its own weights went
     (tmp_path / "empty").mkdir()
-    run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'empty'}"))  # an empty directory is written into
+    run(export_cfg(f"ckpt={ckpt}", f"out_dir={tmp_path / 'empty'}"))  # an empty directory is written into
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["config.json", "model.safetensors"]
 
 
@@ -124,7 +127,7 @@ def test_exports_are_readable_by_another_user(ckpt, tmp_path):
     old = os.umask(0o022)
     try:
         for fmt in ("vllm", "sglang", "eagle"):
-            out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / 'x' / fmt}"))
+            out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out_dir={tmp_path / 'x' / fmt}"))
             assert oct(out.stat().st_mode & 0o777) == oct(0o755), fmt
             assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}, fmt
         again = save_head(DraftHead.from_target(load_head(ckpt)[0].config), tmp_path / "ckpt2")
@@ -134,7 +137,7 @@ def test_exports_are_readable_by_another_user(ckpt, tmp_path):
 
 
 def test_config_carries_the_targets_limits_and_architectures(ckpt, tmp_path):
-    out = run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+    out = run(export_cfg(f"ckpt={ckpt}", f"out_dir={tmp_path / 'o'}"))
     config = json.loads((out / "config.json").read_text())
     target_config = json.loads((STORIES260K / "config.json").read_text())
     assert config["max_position_embeddings"] == target_config["max_position_embeddings"] == 512
@@ -143,7 +146,7 @@ def test_config_carries_the_targets_limits_and_architectures(ckpt, tmp_path):
 
 
 def test_head_dim_re_expression(ckpt, tmp_path):
-    out = run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}", "head_dim=32"))
+    out = run(export_cfg(f"ckpt={ckpt}", f"out_dir={tmp_path / 'o'}", "head_dim=32"))
     config = json.loads((out / "config.json").read_text())
     assert config["head_dim"] == 32 and config["eagle_train"]["reexpressed"] == {
         "head_dim": 8,
@@ -156,7 +159,7 @@ def test_the_reference_layout_cannot_hold_a_re_expressed_head(ckpt, tmp_path):
     """format=eagle is the reference's own loader (head_dim = hidden / heads): not a layout for vLLM's
     head_dim-32 stories260K; vLLM gets format=vllm (tests/engines)."""
     with pytest.raises(ValueError, match="head_dim \\* num_attention_heads == hidden_size"):
-        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out={tmp_path / 'o'}", "head_dim=32"))
+        run(export_cfg(f"ckpt={ckpt}", "format=eagle", f"out_dir={tmp_path / 'o'}", "head_dim=32"))
 
 
 def test_overrides_and_dtype(ckpt, tmp_path):
@@ -164,7 +167,7 @@ def test_overrides_and_dtype(ckpt, tmp_path):
         export_cfg(
             f"ckpt={ckpt}",
             "format=sglang",
-            f"out={tmp_path / 'o'}",
+            f"out_dir={tmp_path / 'o'}",
             "dtype=bfloat16",
             "target_id=my-llama",
             "max_len=2048",
@@ -177,14 +180,14 @@ def test_overrides_and_dtype(ckpt, tmp_path):
 
 def test_bad_input(ckpt, tmp_path):
     with pytest.raises(ValueError, match="format must be one of"):
-        export_cfg(f"ckpt={ckpt}", "format=onnx", f"out={tmp_path / 'o'}")
+        export_cfg(f"ckpt={ckpt}", "format=onnx", f"out_dir={tmp_path / 'o'}")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        run(export_cfg(f"ckpt={tmp_path / 'missing'}", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={tmp_path / 'missing'}", f"out_dir={tmp_path / 'o'}"))
     with pytest.raises(ValueError, match="set ckpt"):
-        run(export_cfg(f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"out_dir={tmp_path / 'o'}"))
     (ckpt / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
-        run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={ckpt}", f"out_dir={tmp_path / 'o'}"))
     assert not (tmp_path / "o").exists()
 
 
@@ -202,7 +205,7 @@ def test_a_head_changed_since_it_was_saved_is_refused_naming_the_file(ckpt, targ
     flip_weight_byte(ckpt / "model.safetensors")
     message = r"ckpt/model.safetensors: its sha256 differs from the one config.json recorded"
     with pytest.raises(ValueError, match=message):
-        run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={ckpt}", f"out_dir={tmp_path / 'o'}"))
     with pytest.raises(ValueError, match=message):
         load_draft(ckpt, target)  # evaluate's loader
     assert not (tmp_path / "o").exists()
@@ -214,7 +217,7 @@ def test_a_head_changed_since_it_was_saved_is_refused_naming_the_file(ckpt, targ
     state.mkdir()
     (state / "trainer.json").write_text(json.dumps({"files": {"model.safetensors": "0" * 64}}))
     with pytest.raises(ValueError, match=r"model.safetensors: its sha256 differs from the one trainer.json"):
-        run(export_cfg(f"ckpt={ckpt}", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={ckpt}", f"out_dir={tmp_path / 'o'}"))
 
 
 def test_a_head_whose_recorded_weights_file_is_gone_is_said_to_miss_it(ckpt, target, tmp_path):
@@ -225,7 +228,7 @@ def test_a_head_whose_recorded_weights_file_is_gone_is_said_to_miss_it(ckpt, tar
     with pytest.raises(InputError, match=r"head/model.safetensors: missing, although config.json records"):
         load_draft(head, target)
     with pytest.raises(FileNotFoundError, match=r"has no model.safetensors"):
-        run(export_cfg(f"ckpt={head}", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={head}", f"out_dir={tmp_path / 'o'}"))
 
 
 @pytest.mark.parametrize("cut", [100, -100], ids=["header", "data"])
@@ -247,12 +250,12 @@ def test_a_truncated_head_file_is_one_line_naming_it(ckpt, target, tmp_path, cut
     weights = tmp_path / "plain" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:cut])
     with pytest.raises(ValueError, match=r"plain/model.safetensors: not a readable safetensors file"):
-        run(export_cfg(f"ckpt={tmp_path / 'plain'}", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={tmp_path / 'plain'}", f"out_dir={tmp_path / 'o'}"))
 
 
 def test_refuse_policy_leaves_nothing(ckpt, tmp_path):
     with pytest.raises(ValueError, match="vLLM's EAGLE fc has no bias"):
-        run(export_cfg(f"ckpt={ckpt}", "fc_bias=refuse", f"out={tmp_path / 'o'}"))
+        run(export_cfg(f"ckpt={ckpt}", "fc_bias=refuse", f"out_dir={tmp_path / 'o'}"))
     assert not (tmp_path / "o").exists() and list(tmp_path.iterdir()) == [ckpt]
 
 
@@ -265,7 +268,7 @@ def test_cli(ckpt, tmp_path):
         "eagle_train.export",
         f"ckpt={ckpt}",
         "format=sglang",
-        f"out={tmp_path / 'cli'}",
+        f"out_dir={tmp_path / 'cli'}",
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -341,7 +344,9 @@ def test_eagle3_export_import_gives_identical_decoder_output(target, tmp_path, c
     what it did with the trained head, in every layout (speculators: target and K in its config)."""
 
     ckpt, head = ckpt_eagle3
-    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}", "speculative_tokens=4"))
+    out = run(
+        export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out_dir={tmp_path / fmt}", "speculative_tokens=4")
+    )
     config = json.loads((out / "config.json").read_text())
     if fmt == "speculators":
         assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
@@ -371,7 +376,7 @@ def test_peagle_export_ships_the_targets_embedding_and_decodes_as_trained(target
     ckpt = save_head(head, tmp_path / "ckpt", meta)
     for head_dim, out in ((None, tmp_path / fmt), (32, tmp_path / f"{fmt}32")):
         extra = [f"head_dim={head_dim}"] if head_dim else []
-        run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={out}", *extra))
+        run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out_dir={out}", *extra))
         embed = load_file(str(out / "model.safetensors"))["embed_tokens.weight"]
         assert torch.equal(embed[1:], target.embed_tokens.weight[1:])  # the target's, not a random one
         assert torch.equal(embed[0], head.mask_embedding.detach())
@@ -401,7 +406,9 @@ def test_dflash_export_import_gives_identical_decoder_output(target, tmp_path, c
     from eagle_train.config.decode import DecodeConfig
 
     ckpt, head = ckpt_dflash
-    out = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / fmt}", "speculative_tokens=7"))
+    out = run(
+        export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out_dir={tmp_path / fmt}", "speculative_tokens=7")
+    )
     config = json.loads((out / "config.json").read_text())
     if fmt == "vllm":
         assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
@@ -418,12 +425,12 @@ def test_dflash_export_import_gives_identical_decoder_output(target, tmp_path, c
     del config["eagle_train"]  # as vLLM's or the speculators library's own file: recognised by its fields
     (out / "config.json").write_text(json.dumps(config))
     assert_same_decoding(target, head, load_draft(out, target), abs_confidence=1e-5, cfg=cfg)
-    wide = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out={tmp_path / 'wide'}", "head_dim=32"))
+    wide = run(export_cfg(f"ckpt={ckpt}", f"format={fmt}", f"out_dir={tmp_path / 'wide'}", "head_dim=32"))
     assert load_draft(wide, target).config.head_dim == 32
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "eagle"])
 def test_a_dflash_head_has_no_sglang_or_reference_layout(ckpt_dflash, tmp_path, fmt):
     with pytest.raises(InputError, match=f"format={fmt}: a DFlash head: .* has no DFlash layout here"):
-        run(export_cfg(f"ckpt={ckpt_dflash[0]}", f"format={fmt}", f"out={tmp_path / fmt}"))
+        run(export_cfg(f"ckpt={ckpt_dflash[0]}", f"format={fmt}", f"out_dir={tmp_path / fmt}"))
     assert not (tmp_path / fmt).exists()

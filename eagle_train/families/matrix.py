@@ -278,7 +278,7 @@ def stages(name: str, model: Path, fam: Path, prompts: Path) -> list[tuple[str, 
         ("eagle3", "eagle_train.train", [*train, f"out_dir={fam / 'eagle3'}", f"max_steps={E3_STEPS}", *eagle3]),
         ("peagle", "eagle_train.train", [*train, f"out_dir={fam / 'peagle'}", f"max_steps={E3_STEPS}", *peagle]),
         *((f"export_{head}_{fmt}", "eagle_train.export", [f"ckpt={fam / head / 'final'}", f"format={fmt}",
-           f"out={fam / 'exports' / f'{head}_{fmt}'}", f"speculative_tokens={CHAIN}"])
+           f"out_dir={fam / 'exports' / f'{head}_{fmt}'}", f"speculative_tokens={CHAIN}"])
           for head, fmt in (("eagle1", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"))),
     ]  # fmt: skip
 
