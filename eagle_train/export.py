@@ -23,7 +23,6 @@ from eagle_train.config.export import ExportConfig
 from eagle_train.heads import head_kind
 from eagle_train.interop.layouts import export_head, load_input_embedding, recorded_target
 from eagle_train.interop.reexpress import widen_head
-from eagle_train.modeling.draft import check_served
 from eagle_train.modeling.head_checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from eagle_train.modeling.target import torch_dtype
 from eagle_train.runtime.atomic_files import remove_partial_files
@@ -108,7 +107,6 @@ def run(cfg: ExportConfig) -> Path:
         raise InputError("export: set out_dir=DIR (the directory to write)")
     ckpt = checkpoint_dir(cfg.ckpt)
     head, recorded = load_head(ckpt)
-    check_served(head, ckpt)
     meta = export_meta(recorded, cfg, ckpt)
     embed = None
     kind = head_kind(head)

@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eagle_train.decoding.kv_cache import attention_shape
 from eagle_train.modeling.dflash import DFlashHead
-from eagle_train.modeling.draft import DraftHead, check_served
+from eagle_train.modeling.draft import DraftHead
 from eagle_train.modeling.head_checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -208,7 +208,6 @@ def export_head(
     """
     if fmt not in FORMATS:
         raise InputError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
-    check_served(head, "export")
     out_dir = Path(out_dir)
     replace_whole = check_export_dir(out_dir, fmt, overwrite)
     check_finite(head.trainable_state_dict(), "export")

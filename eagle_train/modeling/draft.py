@@ -27,7 +27,6 @@ from transformers.models.llama.modeling_llama import (
 
 from eagle_train.decoding.kv_cache import attention_shape
 from eagle_train.modeling.logit_transform import LogitTransform
-from eagle_train.runtime.errors import InputError
 
 # Fields of a target config that shape the draft's Llama layer.
 _LLAMA_FIELDS = (
@@ -276,7 +275,6 @@ class DraftHead(FrozenParts, nn.Module):
     drafts_block = False  # a round's drafts are one block forward over a cached context (DFlash)
     aux_layers = None
     vocab_map = None  # logits are over the target's vocabulary (EAGLE-3: the draft id -> target id map)
-    not_served: str | None = None  # why the exports refuse it (None: every kind is exported today)
 
     @classmethod
     def recognise(cls, raw: dict) -> bool:
@@ -301,14 +299,6 @@ class DraftHead(FrozenParts, nn.Module):
     def check_checkpoint_state(self, state: dict, file: Path) -> None:
         """InputError naming `file` when tensors of a checkpoint's `state` cannot be this head's (beyond
         what load_state_dict checks)."""
-
-
-def check_served(head, where: str | Path) -> None:
-    """InputError naming `where` and the head's kind when the exports cannot take `head` (a head or its
-    class: its `not_served` reason)."""
-    reason = getattr(head, "not_served", None)
-    if reason:
-        raise InputError(f"{where}: a {head.kind} head (draft.type={head.kind}): {reason}")
 
 
 def frozen_modules(embed_weight: torch.Tensor, lm_weight: torch.Tensor | None = None) -> nn.ModuleDict:

@@ -68,7 +68,6 @@ class Eagle3Head(FrozenParts, nn.Module):
     own_lm_head = True
     drafts_in_catch_up = False
     drafts_block = False
-    not_served = None
 
     @classmethod
     def recognise(cls, raw: dict) -> bool:
